@@ -1,0 +1,15 @@
+"""lightning-blockwise: fine-tune adapters on a frozen 4-bit base streamed through the GPU block by block.
+
+Importing the package registers ``"blockwise"`` in Lightning's strategy registry, so
+``Trainer(strategy="blockwise")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
+from lightning_blockwise.strategy import BlockwiseStrategy
+
+BlockwiseStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = ["VALIDATED_MODEL_TYPES", "BlockwiseStrategy", "__version__"]

@@ -1,0 +1,138 @@
+"""Finding the Hugging Face decoder stack inside a LightningModule, and its adapters.
+
+The strategy only relies on what every Hugging Face causal LM of transformers 5 has:
+a ``PreTrainedModel`` whose ``get_decoder()`` owns an ``nn.ModuleList`` named ``layers``
+of decoder layers, each called as ``layer(hidden_states, **kwargs)`` and returning the
+new hidden states. Architectures whose parity has been tested end to end are listed in
+:data:`VALIDATED_MODEL_TYPES`; others are refused unless the user opts in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from transformers import PreTrainedModel
+
+#: ``config.model_type`` values whose blockwise training is tested bit-identical to resident training.
+VALIDATED_MODEL_TYPES: frozenset[str] = frozenset(
+    {"qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3"}
+)
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """The decoder layers of the one Hugging Face model found in a LightningModule.
+
+    Attributes:
+        model: The Hugging Face model (inside any PEFT wrapper).
+        model_type: ``model.config.model_type``.
+        layers: The decoder layers, in execution order.
+    """
+
+    model: PreTrainedModel
+    model_type: str
+    layers: nn.ModuleList
+
+
+def find_decoder_stack(module: nn.Module, allow_unvalidated: bool = False) -> DecoderStack:
+    """Locate the decoder layers of the single Hugging Face model inside ``module``.
+
+    Args:
+        module: The LightningModule (or any module) holding a Hugging Face causal LM,
+            PEFT-wrapped or not.
+        allow_unvalidated: Accept a ``model_type`` outside :data:`VALIDATED_MODEL_TYPES`.
+
+    Raises:
+        MisconfigurationException: If no Hugging Face model or decoder stack is found, if
+            there is more than one model, or if the architecture is not validated.
+    """
+    models = _outermost_pretrained_models(module)
+    if not models:
+        raise MisconfigurationException(
+            f"BlockwiseStrategy found no Hugging Face `PreTrainedModel` inside `{type(module).__name__}`. Build the"
+            " model in `__init__` or `configure_model` (e.g. `AutoModelForCausalLM.from_pretrained(...)`) and assign"
+            " it to an attribute of the LightningModule."
+        )
+    if len(models) > 1:
+        names = ", ".join(f"`{name}` ({type(m).__name__})" for name, m in models)
+        raise MisconfigurationException(
+            f"BlockwiseStrategy streams one decoder stack, but `{type(module).__name__}` holds {len(models)} Hugging"
+            f" Face models: {names}. Keep one model in the module being trained."
+        )
+    name, model = models[0]
+    model_type = str(getattr(model.config, "model_type", ""))
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise MisconfigurationException(
+            f"BlockwiseStrategy found no decoder stack in `{name}` ({type(model).__name__}, model_type"
+            f" {model_type!r}): expected `model.get_decoder().layers` to be a non-empty `nn.ModuleList`. Only"
+            " decoder-only causal LMs are supported."
+        )
+    if model_type not in VALIDATED_MODEL_TYPES and not allow_unvalidated:
+        raise MisconfigurationException(
+            f"BlockwiseStrategy has not validated model_type {model_type!r} (validated: "
+            f"{', '.join(sorted(VALIDATED_MODEL_TYPES))}). To try it anyway, pass"
+            " `BlockwiseStrategy(allow_unvalidated=True)` and add the `ParityCheck` callback to verify the run."
+        )
+    return DecoderStack(model=model, model_type=model_type, layers=layers)
+
+
+def adapter_parameters(layer: nn.Module) -> dict[str, nn.Parameter]:
+    """The PEFT adapter parameters inside ``layer`` (LoRA A/B, DoRA magnitudes, ...), by qualified name.
+
+    Adapters are recognized the way PEFT itself knows them: the parameters under the
+    ``adapter_layer_names`` of each ``BaseTunerLayer``.
+    """
+    found: dict[str, nn.Parameter] = {}
+    for module_name, module in layer.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in module.adapter_layer_names:
+            container = getattr(module, attr, None)
+            if not isinstance(container, nn.Module):
+                continue
+            for param_name, param in container.named_parameters():
+                found[".".join(filter(None, (module_name, attr, param_name)))] = param
+    return found
+
+
+def check_trainable(stack: DecoderStack) -> None:
+    """Check that the decoder layers train adapters, and only adapters.
+
+    Raises:
+        MisconfigurationException: If a trainable parameter in a decoder layer is not an
+            adapter (the base must be frozen), or if no adapter parameter is trainable.
+    """
+    num_adapters = 0
+    for index, layer in enumerate(stack.layers):
+        adapters = {id(p) for p in adapter_parameters(layer).values()}
+        for name, param in layer.named_parameters():
+            if not param.requires_grad:
+                continue
+            if id(param) not in adapters:
+                raise MisconfigurationException(
+                    f"BlockwiseStrategy streams a frozen base, but `layers.{index}.{name}` is trainable and is not a"
+                    " PEFT adapter. Freeze it (`requires_grad_(False)`) or train it through a PEFT adapter"
+                    " (`get_peft_model(model, LoraConfig(...))` freezes the base for you)."
+                )
+            num_adapters += 1
+    if num_adapters == 0:
+        raise MisconfigurationException(
+            "BlockwiseStrategy found no trainable adapter in the decoder layers: there is nothing to train. Wrap the"
+            " model with `peft.get_peft_model(model, LoraConfig(target_modules=[...]))` targeting modules inside"
+            " the decoder layers."
+        )
+
+
+def _outermost_pretrained_models(module: nn.Module) -> list[tuple[str, PreTrainedModel]]:
+    """Hugging Face models in ``module`` that are not inside another one (pre-order walk)."""
+    found: list[tuple[str, PreTrainedModel]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            if not any(sub is m for _, m in found):
+                found.append((name, sub))
+    return found

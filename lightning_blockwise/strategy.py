@@ -1,0 +1,152 @@
+"""``BlockwiseStrategy``: Lightning hooks that put rematerializing, streamable decoder layers in place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_blockwise import remat
+from lightning_blockwise.architectures import adapter_parameters, check_trainable, find_decoder_stack
+from lightning_blockwise.plan import BlockPlan
+from lightning_blockwise.residency import AlwaysResident, Residency
+
+
+class BlockwiseStrategy(SingleDeviceStrategy):
+    """Train PEFT adapters on a frozen Hugging Face decoder stack that is rematerialized layer by layer.
+
+    After the usual single-device setup the strategy finds the decoder layers of the
+    Hugging Face model inside the LightningModule and installs on each (in place, the
+    class untouched) a forward that runs without building a graph, keeping only the
+    layer input, its RNG state and its call arguments; the backward recomputes the layer
+    from them and differentiates it. Training is bit-identical to ``strategy="auto"``.
+    Weights are grouped into blocks of ``block_size`` layers, the unit in which the
+    residency moves them.
+
+    Args:
+        block_size: Decoder layers per block.
+        prefetch_depth: Blocks fetched ahead of the one in use when weights stream.
+        allow_unvalidated: Accept architectures outside
+            :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
+        accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        device: The device to train on. When the strategy is chosen by name
+            (``Trainer(strategy="blockwise", accelerator="gpu")``) the Trainer sets it from
+            its accelerator and ``devices``.
+        checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+
+    Raises:
+        MisconfigurationException: If ``block_size`` or ``prefetch_depth`` is below 1.
+
+    Example::
+
+        import lightning_blockwise  # registers "blockwise"
+        trainer = Trainer(strategy="blockwise", accelerator="gpu", precision="bf16-mixed")
+        trainer.fit(module)  # module holds a PEFT-wrapped, 4-bit Hugging Face causal LM
+    """
+
+    strategy_name = "blockwise"
+
+    def __init__(
+        self,
+        block_size: int = 1,
+        prefetch_depth: int = 2,
+        allow_unvalidated: bool = False,
+        accelerator: Accelerator | None = None,
+        device: _DEVICE | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise MisconfigurationException(f"`BlockwiseStrategy(block_size={block_size})` must be at least 1.")
+        if prefetch_depth < 1:
+            raise MisconfigurationException(
+                f"`BlockwiseStrategy(prefetch_depth={prefetch_depth})` must be at least 1: the block after the one"
+                " in use has to be on its way for copies to overlap compute."
+            )
+        super().__init__(
+            device="cpu" if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.block_size = block_size
+        self.prefetch_depth = prefetch_depth
+        self.allow_unvalidated = allow_unvalidated
+        self._device_given = device is not None
+        self._layers: list[torch.nn.Module] = []
+        self._residency: Residency | None = None
+        self.plan: BlockPlan | None = None
+
+    # Lightning hands a strategy chosen by name its devices through `parallel_devices`
+    # (see `_AcceleratorConnector._lazy_init_strategy`). A `SingleDeviceStrategy` built from a
+    # string would otherwise stay on the CPU whatever the accelerator.
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The one device to train on, once known."""
+        return [self.root_device] if self._device_given else None
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[_DEVICE]) -> None:
+        if len(devices) != 1:
+            raise MisconfigurationException(
+                f"`BlockwiseStrategy` trains on one device, but the Trainer was given {len(devices)} ({devices}). Use"
+                " `devices=1`."
+            )
+        self._root_device = torch.device(devices[0])
+        self._device_given = True
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        self._install(fitting=trainer.state.fn == TrainerFn.FITTING)
+
+    @override
+    def teardown(self) -> None:
+        self._uninstall()
+        super().teardown()
+
+    def _install(self, fitting: bool) -> None:
+        stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
+        self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
+        if fitting:
+            check_trainable(stack)
+        self._uninstall()
+        self._layers = list(stack.layers)
+        self._residency = AlwaysResident()
+        params = [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
+        remat.install(self._layers, params, self._residency)
+        rank_zero_info(
+            f"BlockwiseStrategy: {len(self._layers)} {stack.model_type} decoder layers rematerialized in"
+            f" {self.plan.num_blocks} blocks of up to {self.block_size} on {self.root_device}."
+        )
+
+    def _uninstall(self) -> None:
+        remat.uninstall(self._layers)
+        self._layers = []
+        if self._residency is not None:
+            self._residency.close()
+            self._residency = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="Frozen decoder layers rematerialized and streamed block by block (lightning-blockwise)",
+            )
+
+
+__all__ = ["BlockwiseStrategy"]

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import CONFIGS, save_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[None]:
+    """Each test starts from the same seed and leaves the global torch state as it found it."""
+    rng = torch.get_rng_state()
+    dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.manual_seed(0)
+    yield
+    torch.set_rng_state(rng)
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A saved random-init checkpoint per architecture, for the `from_pretrained` (and NF4) path."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {model_type: save_checkpoint(model_type, root / model_type) for model_type in CONFIGS}

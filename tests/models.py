@@ -1,0 +1,221 @@
+"""Tiny random-init Hugging Face causal LMs of real architectures, a LightningModule around them, and data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+VOCAB = 96
+SEQ = 12
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, pad_token_id=0)
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
+
+#: model_type -> tiny config. Sliding windows are shorter than SEQ so hybrid layers really differ.
+CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "qwen2": lambda: transformers.Qwen2Config(
+        **_COMMON, **_ATTN, use_sliding_window=True, sliding_window=4, max_window_layers=2
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, **_ATTN, head_dim=8),
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, **_ATTN),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, **_ATTN, sliding_window=4),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, **_ATTN, head_dim=8, sliding_window=4),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **_COMMON, **_ATTN, head_dim=8, sliding_window=4, sliding_window_pattern=2
+    ),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, **_ATTN, resid_pdrop=0.1, embd_pdrop=0.0),
+}
+
+#: LoRA targets per architecture: every projection, fused ones for Phi-3.
+TARGETS: dict[str, list[str]] = {
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
+_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def nf4_config() -> BitsAndBytesConfig:
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+
+
+def save_checkpoint(model_type: str, path: Path, seed: int = 0) -> Path:
+    """Save a random-init checkpoint of ``model_type`` to ``path``."""
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(CONFIGS[model_type]()).save_pretrained(path)
+    return path
+
+
+def build_model(
+    model_type: str,
+    checkpoint: Path | None = None,
+    quantized: bool = False,
+    lora_dropout: float = 0.1,
+    seed: int = 0,
+    peft: bool = True,
+) -> nn.Module:
+    """A PEFT-LoRA model: random-init in fp32, or loaded from ``checkpoint`` (NF4 if ``quantized``)."""
+    torch.manual_seed(seed)
+    if checkpoint is None:
+        model = AutoModelForCausalLM.from_config(CONFIGS[model_type]())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, quantization_config=nf4_config() if quantized else None, device_map="cpu", dtype=torch.float32
+        )
+    if not peft:
+        return model
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=lora_dropout,
+        target_modules=TARGETS.get(model_type, _DEFAULT_TARGETS),
+        # Random B as well as A, so that every adapter gradient is non-zero from the first step.
+        init_lora_weights=False,
+    )
+    return get_peft_model(model, lora)
+
+
+class CausalLMModule(pl.LightningModule):
+    """Trains whatever model ``build()`` returns, recording losses and grads of every optimizer step."""
+
+    def __init__(self, build: Callable[[], nn.Module], in_configure_model: bool = False, lr: float = 1e-2) -> None:
+        super().__init__()
+        self._build = build
+        self.lr = lr
+        self.model: nn.Module | None = None if in_configure_model else build()
+        self.losses: list[Tensor] = []
+        self.grads: list[dict[str, Tensor]] = []
+        self.val_losses: list[Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self._build()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.model(**batch).loss
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.model(**batch).loss
+        self.val_losses.append(loss.detach().clone())
+        return loss
+
+    test_step = validation_step
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
+
+
+def padded_batches(num_batches: int, batch_size: int = 2, seed: int = 1234) -> list[dict[str, Tensor]]:
+    """Right-padded batches of random tokens; padding masked in ``attention_mask`` and -100 in ``labels``."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_batches):
+        ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=gen)
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (batch_size,), generator=gen)
+        lengths[0] = SEQ
+        mask = (torch.arange(SEQ) < lengths[:, None]).long()
+        ids = ids * mask
+        labels = ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+def loader(batches: list[dict[str, Tensor]]) -> DataLoader:
+    return DataLoader(batches, batch_size=None, shuffle=False)
+
+
+@dataclass
+class RunResult:
+    """What a training run leaves behind, for elementwise comparison."""
+
+    losses: list[Tensor]
+    grads: list[dict[str, Tensor]]
+    weights: dict[str, Tensor]
+    optimizer: dict[str, dict[str, Tensor]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, **defaults)
+
+
+def fit(module: CausalLMModule, strategy: Any = "auto", num_batches: int = 8, **trainer_kwargs: Any) -> RunResult:
+    """Fit ``module`` from seed 0 and collect its losses, grads, weights and AdamW state."""
+    pl.seed_everything(0, verbose=False)
+    trainer(strategy, **trainer_kwargs).fit(module, loader(padded_batches(num_batches)))
+    return collect(module, trainer_optimizer(module))
+
+
+def trainer_optimizer(module: CausalLMModule) -> torch.optim.Optimizer:
+    return module.trainer.optimizers[0]
+
+
+def collect(module: CausalLMModule, optimizer: torch.optim.Optimizer) -> RunResult:
+    names = {id(p): n for n, p in module.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    state = {
+        names[id(p)]: {k: v.clone() for k, v in optimizer.state[p].items()}
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+    return RunResult(list(module.losses), list(module.grads), weights, state)
+
+
+def assert_equal_runs(a: RunResult, b: RunResult) -> None:
+    """Every loss, grad, weight and optimizer state tensor of ``a`` and ``b`` is ``torch.equal``."""
+    assert len(a.losses) == len(b.losses) > 0
+    for step, (x, y) in enumerate(zip(a.losses, b.losses, strict=True)):
+        assert torch.equal(x, y), f"loss of micro-batch {step} differs: {x.item()!r} vs {y.item()!r}"
+    assert len(a.grads) == len(b.grads) > 0
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads, strict=True)):
+        assert ga.keys() == gb.keys() and ga, f"step {step}: different sets of gradients"
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), f"step {step}: grad of {name} differs"
+    assert a.weights.keys() == b.weights.keys() and a.weights
+    for name in a.weights:
+        assert torch.equal(a.weights[name], b.weights[name]), f"weight {name} differs"
+    assert a.optimizer.keys() == b.optimizer.keys() and a.optimizer
+    for name, state in a.optimizer.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[key], b.optimizer[name][key]), f"optimizer {key} of {name} differs"
+
+
+def runs_differ(a: RunResult, b: RunResult) -> bool:
+    try:
+        assert_equal_runs(a, b)
+    except AssertionError:
+        return True
+    return False
