@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bitsandbytes.nn import Linear4bit
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
@@ -126,6 +127,19 @@ def check_trainable(stack: DecoderStack) -> None:
             " model with `peft.get_peft_model(model, LoraConfig(target_modules=[...]))` targeting modules inside"
             " the decoder layers."
         )
+
+
+def eval_mode_4bit_modules(stack: DecoderStack) -> list[str]:
+    """Names of bitsandbytes 4-bit linears in the decoder layers that are in eval mode.
+
+    See NOTE [ bitsandbytes CPU inference kernel ].
+    """
+    return [
+        f"layers.{index}.{name}"
+        for index, layer in enumerate(stack.layers)
+        for name, module in layer.named_modules()
+        if isinstance(module, Linear4bit) and not module.training
+    ]
 
 
 def _outermost_pretrained_models(module: nn.Module) -> list[tuple[str, PreTrainedModel]]:

@@ -17,7 +17,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_blockwise import remat
-from lightning_blockwise.architectures import adapter_parameters, check_trainable, find_decoder_stack
+from lightning_blockwise.architectures import (
+    adapter_parameters,
+    check_trainable,
+    eval_mode_4bit_modules,
+    find_decoder_stack,
+)
 from lightning_blockwise.plan import BlockPlan
 from lightning_blockwise.residency import AlwaysResident, Residency
 
@@ -112,6 +117,12 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._install(fitting=trainer.state.fn == TrainerFn.FITTING)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.root_device.type == "cpu":
+            self._refuse_cpu_eval_mode_4bit()
+
+    @override
     def teardown(self) -> None:
         self._uninstall()
         super().teardown()
@@ -130,6 +141,23 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             f"BlockwiseStrategy: {len(self._layers)} {stack.model_type} decoder layers rematerialized in"
             f" {self.plan.num_blocks} blocks of up to {self.block_size} on {self.root_device}."
         )
+
+    def _refuse_cpu_eval_mode_4bit(self) -> None:
+        # NOTE [ bitsandbytes CPU inference kernel ]
+        # On the CPU, bitsandbytes' `Linear4bit.forward` repacks its weight for a different
+        # kernel when the module is in eval mode and its input does not require grad. A
+        # rematerialized forward runs without grad, so an eval-mode layer would take that
+        # kernel where resident training does not, and the results would differ. CUDA has
+        # no such switch. Training wants train mode anyway (dropout is off in eval mode).
+        stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
+        names = eval_mode_4bit_modules(stack)
+        if names:
+            raise MisconfigurationException(
+                f"BlockwiseStrategy: {len(names)} bitsandbytes 4-bit layers are in eval mode at the start of"
+                f" training (e.g. `{names[0]}`). On the CPU, bitsandbytes then switches eval-mode layers to another"
+                " kernel depending on whether their input requires grad, which rematerialization changes. Call"
+                " `model.train()` after loading (`from_pretrained` returns the model in eval mode)."
+            )
 
     def _uninstall(self) -> None:
         remat.uninstall(self._layers)

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 VOCAB = 96
 SEQ = 12
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, pad_token_id=0)
+NUM_LAYERS = 4
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=NUM_LAYERS, pad_token_id=0)
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
 
 #: model_type -> tiny config. Sliding windows are shorter than SEQ so hybrid layers really differ.
@@ -65,15 +66,21 @@ def build_model(
     lora_dropout: float = 0.1,
     seed: int = 0,
     peft: bool = True,
+    **config_overrides: Any,
 ) -> nn.Module:
     """A PEFT-LoRA model: random-init in fp32, or loaded from ``checkpoint`` (NF4 if ``quantized``)."""
     torch.manual_seed(seed)
     if checkpoint is None:
-        model = AutoModelForCausalLM.from_config(CONFIGS[model_type]())
+        config = CONFIGS[model_type]()
+        for key, value in config_overrides.items():
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_config(config)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint, quantization_config=nf4_config() if quantized else None, device_map="cpu", dtype=torch.float32
         )
+        # `from_pretrained` returns the model in eval mode; train mode keeps the dropouts on.
+        model.train()
     if not peft:
         return model
     lora = LoraConfig(
