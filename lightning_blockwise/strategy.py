@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_blockwise import remat
 from lightning_blockwise.architectures import (
+    DecoderStack,
     adapter_parameters,
     check_trainable,
     eval_mode_4bit_modules,
@@ -89,6 +90,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self.prefetch_depth = prefetch_depth
         self.allow_unvalidated = allow_unvalidated
         self._device_given = device is not None
+        self._stack: DecoderStack | None = None
         self._layers: list[torch.nn.Module] = []
         self._residency: Residency | None = None
         self.plan: BlockPlan | None = None
@@ -113,8 +115,13 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        # Refuse a module that cannot train blockwise before the optimizers are built.
+        stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
+        self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_trainable(stack)
         super().setup(trainer)
-        self._install(fitting=trainer.state.fn == TrainerFn.FITTING)
+        self._install(stack)
 
     @override
     def on_train_start(self) -> None:
@@ -127,12 +134,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._uninstall()
         super().teardown()
 
-    def _install(self, fitting: bool) -> None:
-        stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
-        self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
-        if fitting:
-            check_trainable(stack)
+    def _install(self, stack: DecoderStack) -> None:
+        assert self.plan is not None
         self._uninstall()
+        self._stack = stack
         self._layers = list(stack.layers)
         self._residency = AlwaysResident()
         params = [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
@@ -149,8 +154,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         # rematerialized forward runs without grad, so an eval-mode layer would take that
         # kernel where resident training does not, and the results would differ. CUDA has
         # no such switch. Training wants train mode anyway (dropout is off in eval mode).
-        stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
-        names = eval_mode_4bit_modules(stack)
+        assert self._stack is not None
+        names = eval_mode_4bit_modules(self._stack)
         if names:
             raise MisconfigurationException(
                 f"BlockwiseStrategy: {len(names)} bitsandbytes 4-bit layers are in eval mode at the start of"
@@ -161,6 +166,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     def _uninstall(self) -> None:
         remat.uninstall(self._layers)
+        self._stack = None
         self._layers = []
         if self._residency is not None:
             self._residency.close()

@@ -1,0 +1,228 @@
+"""Registration, device selection, YAML forms, lifecycle invariants and user errors of `BlockwiseStrategy`."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import lightning.fabric.accelerators.cuda as fabric_cuda
+import lightning.pytorch.accelerators.cuda as pl_cuda
+import pytest
+import torch
+import transformers
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+import lightning_blockwise
+from lightning_blockwise import BlockwiseStrategy, remat
+from tests.models import (
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    fit,
+    loader,
+    padded_batches,
+    trainer,
+)
+
+
+def test_import_registers_blockwise_once() -> None:
+    assert "blockwise" in StrategyRegistry
+    importlib.reload(lightning_blockwise)  # a second registration must not raise
+    assert StrategyRegistry["blockwise"]["strategy"].__name__ == "BlockwiseStrategy"
+    assert isinstance(trainer("blockwise").strategy, BlockwiseStrategy)
+
+
+def test_string_strategy_lands_on_cpu() -> None:
+    assert trainer("blockwise").strategy.root_device == torch.device("cpu")
+
+
+def test_string_strategy_lands_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Trainer(strategy="blockwise", accelerator="gpu")` must not leave the strategy on the CPU."""
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(pl_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(pl_cuda.CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    assert trainer("blockwise", accelerator="gpu").strategy.root_device == torch.device("cuda", 0)
+    assert trainer("blockwise", accelerator="gpu", devices=[1]).strategy.root_device == torch.device("cuda", 1)
+    with pytest.raises(MisconfigurationException, match="trains on one device"):
+        trainer("blockwise", accelerator="gpu", devices=2)
+
+
+def test_instance_keeps_its_options() -> None:
+    strategy = trainer(BlockwiseStrategy(block_size=3, prefetch_depth=4)).strategy
+    assert (strategy.block_size, strategy.prefetch_depth, strategy.root_device.type) == (3, 4, "cpu")
+
+
+@pytest.mark.parametrize(
+    "strategy_yaml",
+    [
+        "blockwise",
+        {"class_path": "lightning_blockwise.BlockwiseStrategy", "init_args": {"block_size": 2, "prefetch_depth": 3}},
+    ],
+)
+def test_lightning_cli_yaml_forms(tmp_path: Path, strategy_yaml: Any) -> None:
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"strategy": strategy_yaml, "accelerator": "cpu", "logger": False}}))
+    cli = LightningCLI(LightningModule, run=False, args=["--config", str(config)])
+    assert isinstance(cli.trainer.strategy, BlockwiseStrategy)
+    if isinstance(strategy_yaml, dict):
+        assert (cli.trainer.strategy.block_size, cli.trainer.strategy.prefetch_depth) == (2, 3)
+
+
+def test_module_is_restored_and_reusable_after_fit() -> None:
+    module = CausalLMModule(lambda: build_model("mistral"))
+    layers = module.model.get_decoder().layers
+    classes_before = {type(layer): type(layer).forward for layer in layers}
+    names_before = [n for n, _ in module.named_parameters()]
+    keys_before = list(module.state_dict())
+
+    fit(module, "blockwise")
+    assert all(remat.installed(layer) is None for layer in layers)
+    assert all("gradient_checkpointing" not in vars(layer) for layer in layers)
+    assert {type(layer): type(layer).forward for layer in layers} == classes_before
+    assert [n for n, _ in module.named_parameters()] == names_before
+    assert list(module.state_dict()) == keys_before
+
+    val = loader(padded_batches(2))
+    trainer("blockwise", limit_val_batches=None).validate(module, val)
+    trainer("blockwise", limit_test_batches=None).test(module, val)
+    predictions = trainer("blockwise").predict(module, val)
+    assert len(module.val_losses) == 4 and len(predictions) == 2
+    steps_before = len(module.losses)
+    fit(module, "blockwise", max_steps=2)
+    assert len(module.losses) == steps_before + 4
+
+
+def test_names_and_state_dict_keys_unchanged_while_installed() -> None:
+    module = CausalLMModule(lambda: build_model("qwen2"))
+    names = [n for n, _ in module.named_parameters()]
+    keys = list(module.state_dict())
+    layers = module.model.get_decoder().layers
+    remat.install(list(layers), [[] for _ in layers], lightning_blockwise.residency.AlwaysResident())
+    try:
+        assert all(remat.installed(layer) is not None for layer in layers)
+        assert [n for n, _ in module.named_parameters()] == names
+        assert list(module.state_dict()) == keys
+    finally:
+        remat.uninstall(list(layers))
+
+
+def test_resident_run_after_blockwise_run_is_unaffected() -> None:
+    """Nothing is patched on classes or globally: a resident run after a blockwise one matches a fresh one."""
+    before = fit(CausalLMModule(lambda: build_model("phi3")), "auto")
+    fit(CausalLMModule(lambda: build_model("phi3")), "blockwise")
+    after = fit(CausalLMModule(lambda: build_model("phi3")), "auto")
+    assert_equal_runs(before, after)
+
+
+def test_trainer_fit_again_with_blockwise_matches_a_two_phase_resident_run() -> None:
+    resident = CausalLMModule(lambda: build_model("qwen3"))
+    blockwise = CausalLMModule(lambda: build_model("qwen3"))
+    fit(resident, "auto", max_steps=2)
+    fit(blockwise, "blockwise", max_steps=2)
+    assert_equal_runs(fit(resident, "auto", max_steps=2), fit(blockwise, "blockwise", max_steps=2))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class _Trainable(LightningModule):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        raise AssertionError("the strategy must refuse this module before any step")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _NoHuggingFace(_Trainable):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 4)
+
+
+def _fit_expecting(module: LightningModule, match: str, strategy: Any = "blockwise") -> None:
+    with pytest.raises(MisconfigurationException, match=match):
+        trainer(strategy).fit(module, loader(padded_batches(2)))
+
+
+def test_error_no_hugging_face_model() -> None:
+    _fit_expecting(_NoHuggingFace(), "found no Hugging Face `PreTrainedModel`")
+
+
+def test_error_no_decoder_stack() -> None:
+    class Encoder(_Trainable):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.BertConfig(
+                vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+            )
+            self.model = transformers.BertForMaskedLM(config)
+
+    _fit_expecting(Encoder(), "found no decoder stack")
+
+
+def test_error_trainable_base_weight() -> None:
+    module = CausalLMModule(lambda: build_model("llama"))
+    module.model.get_decoder().layers[1].mlp.down_proj.base_layer.weight.requires_grad_(True)
+    _fit_expecting(module, r"`layers.1.mlp.down_proj.base_layer.weight` is trainable and is not a PEFT adapter")
+
+
+def test_error_no_adapters() -> None:
+    frozen = CausalLMModule(lambda: build_model("llama", peft=False).requires_grad_(False))
+    frozen.model.lm_head.requires_grad_(True)  # something to optimize, but no adapter in the layers
+    _fit_expecting(frozen, "no trainable adapter")
+
+
+def test_validate_needs_no_adapters() -> None:
+    module = CausalLMModule(lambda: build_model("llama", peft=False).requires_grad_(False))
+    trainer("blockwise", limit_val_batches=None).validate(module, loader(padded_batches(1)))
+    assert len(module.val_losses) == 1
+
+
+def test_error_unvalidated_architecture_and_opt_in() -> None:
+    def build() -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        config = transformers.OlmoConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+        )
+        return get_peft_model(
+            transformers.AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        )
+
+    _fit_expecting(CausalLMModule(build), r"has not validated model_type 'olmo'.*allow_unvalidated=True")
+    resident = fit(CausalLMModule(build), "auto")
+    opted_in = fit(CausalLMModule(build), BlockwiseStrategy(allow_unvalidated=True))
+    assert_equal_runs(resident, opted_in)
+
+
+@pytest.mark.parametrize("kwargs", [{"block_size": 0}, {"block_size": -1}, {"prefetch_depth": 0}])
+def test_error_bad_options(kwargs: dict[str, int]) -> None:
+    with pytest.raises(MisconfigurationException, match="must be at least 1"):
+        BlockwiseStrategy(**kwargs)
+
+
+def test_error_block_size_larger_than_layer_count() -> None:
+    _fit_expecting(
+        CausalLMModule(lambda: build_model("llama")),
+        r"block_size=5\).*4 decoder layers",
+        BlockwiseStrategy(block_size=5),
+    )
+
+
+def test_error_two_hugging_face_models() -> None:
+    module = CausalLMModule(lambda: build_model("llama"))
+    module.reference = build_model("llama", peft=False)
+    _fit_expecting(module, "holds 2 Hugging Face models")
+
+
+def test_error_cpu_eval_mode_4bit(checkpoints: dict[str, Path]) -> None:
+    module = CausalLMModule(lambda: build_model("llama", checkpoint=checkpoints["llama"], quantized=True).eval())
+    _fit_expecting(module, r"4-bit layers are in eval mode.*model.train\(\)")
