@@ -132,15 +132,17 @@ class CausalLMModule(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
 
 
-def padded_batches(num_batches: int, batch_size: int = 2, seed: int = 1234) -> list[dict[str, Tensor]]:
+def padded_batches(
+    num_batches: int, batch_size: int = 2, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1234
+) -> list[dict[str, Tensor]]:
     """Right-padded batches of random tokens; padding masked in ``attention_mask`` and -100 in ``labels``."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(num_batches):
-        ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=gen)
-        lengths = torch.randint(SEQ // 2, SEQ + 1, (batch_size,), generator=gen)
-        lengths[0] = SEQ
-        mask = (torch.arange(SEQ) < lengths[:, None]).long()
+        ids = torch.randint(1, vocab, (batch_size, seq), generator=gen)
+        lengths = torch.randint(seq // 2, seq + 1, (batch_size,), generator=gen)
+        lengths[0] = seq
+        mask = (torch.arange(seq) < lengths[:, None]).long()
         ids = ids * mask
         labels = ids.masked_fill(mask == 0, -100)
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
@@ -179,10 +181,15 @@ def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, **defaults)
 
 
-def fit(module: CausalLMModule, strategy: Any = "auto", num_batches: int = 8, **trainer_kwargs: Any) -> RunResult:
+def fit(
+    module: CausalLMModule,
+    strategy: Any = "auto",
+    batches: list[dict[str, Tensor]] | None = None,
+    **trainer_kwargs: Any,
+) -> RunResult:
     """Fit ``module`` from seed 0 and collect its losses, grads, weights and AdamW state."""
     pl.seed_everything(0, verbose=False)
-    trainer(strategy, **trainer_kwargs).fit(module, loader(padded_batches(num_batches)))
+    trainer(strategy, **trainer_kwargs).fit(module, loader(padded_batches(8) if batches is None else batches))
     return collect(module, trainer_optimizer(module))
 
 
