@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,13 +30,16 @@ from tests.models import (
 )
 
 
-@pytest.fixture(scope="module")
-def resident_gemma2() -> Any:
-    return fit(CausalLMModule(lambda: build_model("gemma2")), "auto")
-
-
-def test_control_rng_restore_off_differs(monkeypatch: pytest.MonkeyPatch, resident_gemma2: Any) -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "nf4"])
+def test_control_rng_restore_off_differs(
+    monkeypatch: pytest.MonkeyPatch, checkpoints: dict[str, Path], quantized: bool
+) -> None:
     """With dropout on, a recompute that does not restore the RNG draws other masks: grads differ."""
+
+    def build() -> Any:
+        return build_model("gemma2", checkpoint=checkpoints["gemma2"] if quantized else None, quantized=quantized)
+
+    resident = fit(CausalLMModule(build), "auto")
 
     @contextmanager
     def no_restore(self: RngSnapshot) -> Iterator[None]:
@@ -43,9 +47,9 @@ def test_control_rng_restore_off_differs(monkeypatch: pytest.MonkeyPatch, reside
             yield
 
     monkeypatch.setattr(RngSnapshot, "replay", no_restore)
-    broken = fit(CausalLMModule(lambda: build_model("gemma2")), "blockwise")
-    assert torch.equal(broken.losses[0], resident_gemma2.losses[0]), "the forward itself must be unaffected"
-    assert runs_differ(resident_gemma2, broken)
+    broken = fit(CausalLMModule(build), "blockwise")
+    assert torch.equal(broken.losses[0], resident.losses[0]), "the forward itself must be unaffected"
+    assert runs_differ(resident, broken)
 
 
 def test_control_rng_restore_off_without_dropout_is_still_equal(monkeypatch: pytest.MonkeyPatch) -> None:
