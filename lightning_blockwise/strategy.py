@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_blockwise import remat
+from lightning_blockwise import embedding, remat
 from lightning_blockwise.architectures import (
     DecoderStack,
     adapter_parameters,
@@ -24,8 +24,15 @@ from lightning_blockwise.architectures import (
     eval_mode_4bit_modules,
     find_decoder_stack,
 )
+from lightning_blockwise.placement import (
+    HostCopy,
+    disable_cpu_repack,
+    host_copy,
+    move_rest_to_device,
+    restore_cpu_repack,
+)
 from lightning_blockwise.plan import BlockPlan
-from lightning_blockwise.residency import AlwaysResident, Residency
+from lightning_blockwise.streamer import BlockStreamer
 
 
 class BlockwiseStrategy(SingleDeviceStrategy):
@@ -90,10 +97,13 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self.prefetch_depth = prefetch_depth
         self.allow_unvalidated = allow_unvalidated
         self._device_given = device is not None
+        self.plan: BlockPlan | None = None
+        self.streamer: BlockStreamer | None = None
         self._stack: DecoderStack | None = None
         self._layers: list[torch.nn.Module] = []
-        self._residency: Residency | None = None
-        self.plan: BlockPlan | None = None
+        self._host_copy: HostCopy | None = None
+        self._on_host: list[torch.nn.Module] = []
+        self._repack_flags: dict[torch.nn.Module, bool] = {}
 
     # Lightning hands a strategy chosen by name its devices through `parallel_devices`
     # (see `_AcceleratorConnector._lazy_init_strategy`). A `SingleDeviceStrategy` built from a
@@ -115,13 +125,47 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        # Refuse a module that cannot train blockwise before the optimizers are built.
+        # Refuse a module that cannot train blockwise before anything moves or optimizers are built.
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
         self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainable(stack)
-        super().setup(trainer)
-        self._install(stack)
+        self._stack = stack
+        super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
+        assert self.streamer is not None
+        self._layers = list(stack.layers)
+        params = [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
+        remat.install(self._layers, params, self.streamer)
+        rank_zero_info(
+            f"BlockwiseStrategy: {len(self._layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
+            f" of up to {self.block_size}, {len(self.streamer.streamed)} streamed through"
+            f" {len(self.streamer.slots)} slots on {self.root_device}; host arena"
+            f" {self._host_copy.arena.nbytes / 1e9:.3f} GB ({self._host_copy.arena.bytes_needed / 1e9:.3f} GB of"
+            f" tensors){', pinned' if self._host_copy.arena.pinned else ''}."
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        """Bind the decoder layers' frozen tensors to the host arena and move the rest to the device."""
+        assert self._stack is not None and self.plan is not None
+        device = self.root_device
+        self._host_copy = host_copy(self._stack, self.plan, pin=device.type == "cuda")
+        embedding_module = self._stack.model.get_input_embeddings()
+        on_host = []
+        if embedding_module is not None and embedding.can_stay_on_host(embedding_module, self.lightning_module):
+            embedding.install(embedding_module, device)
+            on_host.append(embedding_module)
+        move_rest_to_device(self.lightning_module, self._stack, device, skip=on_host)
+        self._on_host = on_host
+        if device.type == "cpu":
+            self._repack_flags = disable_cpu_repack(self._stack)
+        self.streamer = BlockStreamer(
+            self.plan,
+            self._host_copy.layouts,
+            self._host_copy.arena.slabs,
+            device,
+            self.prefetch_depth,
+        )
 
     @override
     def on_train_start(self) -> None:
@@ -131,21 +175,18 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        self._uninstall()
+        remat.uninstall(self._layers)
+        self._layers = []
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        for module in self._on_host:
+            embedding.uninstall(module)
+        self._on_host = []
+        restore_cpu_repack(self._repack_flags)
+        self._repack_flags = {}
+        self._stack = None
         super().teardown()
-
-    def _install(self, stack: DecoderStack) -> None:
-        assert self.plan is not None
-        self._uninstall()
-        self._stack = stack
-        self._layers = list(stack.layers)
-        self._residency = AlwaysResident()
-        params = [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
-        remat.install(self._layers, params, self._residency)
-        rank_zero_info(
-            f"BlockwiseStrategy: {len(self._layers)} {stack.model_type} decoder layers rematerialized in"
-            f" {self.plan.num_blocks} blocks of up to {self.block_size} on {self.root_device}."
-        )
 
     def _refuse_cpu_eval_mode_4bit(self) -> None:
         # NOTE [ bitsandbytes CPU inference kernel ]
@@ -163,14 +204,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 " kernel depending on whether their input requires grad, which rematerialization changes. Call"
                 " `model.train()` after loading (`from_pretrained` returns the model in eval mode)."
             )
-
-    def _uninstall(self) -> None:
-        remat.uninstall(self._layers)
-        self._stack = None
-        self._layers = []
-        if self._residency is not None:
-            self._residency.close()
-            self._residency = None
 
     @classmethod
     @override
