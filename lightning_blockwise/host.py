@@ -24,15 +24,14 @@ the slot::
 # (and nested ``offset`` / ``state2.absmax``) attributes now name slab views. The small
 # ``code`` tables stay where they are: they are not in the slab.
 #
-# What binding cannot move is a reference taken before it. bitsandbytes' ``MatMul4Bit``
-# keeps a view of the packed weight taken at forward time and the ``QuantState`` object
-# on its ``ctx`` (NOTE [ Graphs do not outlive residency ] in remat.py), and autograd
-# keeps saved frozen weights of ordinary linears. A graph built while a block was bound
-# to a slot therefore reads, in its backward, whatever the slot holds then, mixed with
-# whatever ``absmax`` is bound then. That is why the streamer must keep each layer's
-# graph inside its block's residency and reuse a slot only after the last kernel that
-# reads it. Binding a released block back to its host slab (no copy) makes a stray later
-# read fail on a device mismatch instead of reading another block's bytes.
+# What binding cannot move is a reference taken before it. Autograd's saved frozen
+# weights (of an ordinary linear) and the view of the packed weight that bitsandbytes'
+# ``MatMul4Bit`` keeps on its ``ctx`` hold the storage they saw at forward time, while
+# the ``QuantState`` object on that ``ctx`` is read at backward time (NOTE [ Graphs do
+# not outlive residency ] in remat.py). A graph built while a block was bound to a slot
+# therefore reads, in its backward, whatever the slot holds then, mixed with whatever
+# ``absmax`` is bound then. That is why the streamer must keep each layer's graph inside
+# its block's residency and reuse a slot only after the last kernel that reads it.
 """
 
 from __future__ import annotations
@@ -179,7 +178,7 @@ def layout_block(layers: Sequence[nn.Module], first_index: int = 0, alignment: i
             f"layout_block: alignment={alignment} must be a power of two of at least {_MIN_ALIGNMENT} bytes, so that"
             " a tensor of any dtype can be viewed at every offset. Use the default `ALIGNMENT`."
         )
-    # Bytes already seen -> (names, bindings): tied tensors share one entry.
+    # Bytes seen -> (a tensor holding them, its names, its bindings): tied tensors share one entry.
     groups: dict[tuple[object, ...], tuple[Tensor, list[str], list[Binding]]] = {}
     seen_bindings: set[tuple[int, str]] = set()
     for name, tensor, binding in _frozen_tensors(layers, first_index):
