@@ -146,7 +146,8 @@ def _outermost_pretrained_models(module: nn.Module) -> list[tuple[str, PreTraine
     """Hugging Face models in ``module`` that are not inside another one (pre-order walk)."""
     found: list[tuple[str, PreTrainedModel]] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer, _ in found):
+        inside_found = any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found)
+        if isinstance(sub, PreTrainedModel) and not inside_found:
             if not any(sub is m for _, m in found):
                 found.append((name, sub))
     return found

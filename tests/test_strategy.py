@@ -226,3 +226,11 @@ def test_error_two_hugging_face_models() -> None:
 def test_error_cpu_eval_mode_4bit(checkpoints: dict[str, Path]) -> None:
     module = CausalLMModule(lambda: build_model("llama", checkpoint=checkpoints["llama"], quantized=True).eval())
     _fit_expecting(module, r"4-bit layers are in eval mode.*model.train\(\)")
+
+
+def test_find_decoder_stack_on_a_bare_hugging_face_model() -> None:
+    from lightning_blockwise.architectures import find_decoder_stack
+
+    model = build_model("llama", peft=False)
+    stack = find_decoder_stack(model)
+    assert stack.model is model and stack.layers is model.model.layers

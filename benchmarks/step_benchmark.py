@@ -1,13 +1,13 @@
-"""Cost of exact rematerialization alone (no weight streaming yet), against resident training.
+"""Training-step time and peak VRAM: resident against blockwise, side by side in one process.
 
 Builds a random-init NF4 model of a real shape directly on the GPU, layer by layer (the bf16
-model never exists whole), adds LoRA r=16 on q,k,v,o,gate,up,down, and times in one process:
-resident without checkpointing, resident with Hugging Face gradient checkpointing, and the
-blockwise rematerializing layers (installed directly, weights resident). Seq 512, batch 1,
-bf16 autocast, AdamW; median step time of the measured steps after warm-up, and
-`torch.cuda.max_memory_allocated` over the measured steps (reset after warm-up).
+model never exists whole), adds LoRA r=16 on q,k,v,o,gate,up,down, and trains it through
+`Trainer.fit` (bf16-mixed, seq 512, batch 1, AdamW) in each arm: resident without
+checkpointing, resident with Hugging Face gradient checkpointing, and blockwise streaming.
+Reports the median step time after warm-up, `torch.cuda.max_memory_allocated` over the
+measured steps (reset after warm-up), and host-to-device bytes per step.
 
-    python benchmarks/remat_overhead.py --shapes 7b 32b [--deterministic]
+    python benchmarks/step_benchmark.py --shapes 7b 32b [--deterministic] [--arms ...]
 """
 
 from __future__ import annotations
@@ -18,17 +18,18 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import bitsandbytes as bnb
+import lightning.pytorch as pl
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from lightning_blockwise import remat
-from lightning_blockwise.architectures import adapter_parameters
-from lightning_blockwise.residency import AlwaysResident
+from lightning_blockwise import BlockwiseStrategy
 
 SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "7b": lambda: transformers.Qwen2Config(
@@ -40,6 +41,11 @@ SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False,
     ),
 }  # fmt: skip
+#: Blockwise arms: name -> BlockwiseStrategy options.
+BLOCKWISE_ARMS: dict[str, dict[str, Any]] = {
+    "blockwise": {"block_size": 1, "prefetch_depth": 2},
+    "blockwise_b2": {"block_size": 2, "prefetch_depth": 2},
+}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -75,40 +81,73 @@ def build_nf4(config: transformers.PretrainedConfig, device: torch.device) -> nn
     return model.train()
 
 
-def run_arm(model: nn.Module, arm: str, steps: int, warmup: int, vocab: int) -> dict[str, float]:
-    layers = model.get_decoder().layers
+class BenchModule(pl.LightningModule):
+    """Trains ``model`` on random tokens; the model is built once and shared by the arms."""
+
+    def __init__(self, model: nn.Module, lr: float = 1e-5) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each training step (synchronized) and peak allocated VRAM after the warm-up."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self.h2d_bytes: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        torch.cuda.synchronize()
+        if idx == self.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        streamer = getattr(trainer.strategy, "streamer", None)
+        if streamer is not None:
+            streamer.reset_stats()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        torch.cuda.synchronize()
+        if args[-1] >= self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+            streamer = getattr(trainer.strategy, "streamer", None)
+            self.h2d_bytes.append(streamer.stats.bytes if streamer is not None else 0)
+
+
+def run_arm(model: nn.Module, arm: str, steps: int, warmup: int, vocab: int, deterministic: bool) -> dict[str, float]:
     if arm == "resident_ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    if arm == "blockwise_remat":
-        params = [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in layers]
-        remat.install(list(layers), params, AlwaysResident())
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     gen = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(warmup + steps):
-        if step == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        ids = torch.randint(0, vocab, (1, 512), generator=gen).cuda()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+    batches = []
+    for _ in range(warmup + steps):
+        ids = torch.randint(0, vocab, (1, 512), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids})
+    timer = StepTimer(warmup)
+    strategy: Any = BlockwiseStrategy(**BLOCKWISE_ARMS[arm]) if arm in BLOCKWISE_ARMS else "auto"
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[timer], deterministic=deterministic,
+    )  # fmt: skip
+    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
     peak = torch.cuda.max_memory_allocated() / 1e9
-    if arm == "blockwise_remat":
-        remat.uninstall(list(layers))
     if arm == "resident_ckpt":
         model.gradient_checkpointing_disable()
-    del optimizer
     torch.cuda.empty_cache()
-    return {"s_per_step": statistics.median(times), "peak_gb": peak, "tokens_per_s": 512 / statistics.median(times)}
+    median = statistics.median(timer.times)
+    h2d = statistics.median(timer.h2d_bytes) / 1e9
+    return {
+        "s_per_step": median, "peak_gb": peak, "tokens_per_s": 512 / median,
+        "h2d_gb_per_step": h2d, "h2d_gb_per_s": h2d / median,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -117,6 +156,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--arms", nargs="+", default=["resident", "resident_ckpt", *BLOCKWISE_ARMS])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.deterministic:
@@ -129,20 +169,22 @@ def main() -> None:
         torch.manual_seed(0)
         config = SHAPES[shape]()
         model = get_peft_model(build_nf4(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
-        for arm in ("resident", "resident_ckpt", "blockwise_remat"):
-            result = run_arm(model, arm, args.steps, args.warmup, config.vocab_size)
+        for arm in args.arms:
+            model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
+            result = run_arm(model, arm, args.steps, args.warmup, config.vocab_size, args.deterministic)
             rows.append({"shape": shape, "mode": mode, "arm": arm, **result})
             print(json.dumps(rows[-1]), flush=True)
         del model
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | mode {mode}")
-    print("| shape | arm | s/step | tokens/s | peak GB | vs resident_ckpt |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| shape | arm | s/step | tokens/s | peak GB | H2D GB/step | H2D GB/s | vs resident_ckpt |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        ref = next(r for r in rows if r["shape"] == row["shape"] and r["arm"] == "resident_ckpt")
+        ref = next((r for r in rows if r["shape"] == row["shape"] and r["arm"] == "resident_ckpt"), row)
         print(
             f"| {row['shape']} | {row['arm']} | {row['s_per_step']:.3f} | {row['tokens_per_s']:.0f} |"
-            f" {row['peak_gb']:.2f} | {row['s_per_step'] / ref['s_per_step']:.2f}x |"
+            f" {row['peak_gb']:.2f} | {row['h2d_gb_per_step']:.2f} | {row['h2d_gb_per_s']:.1f} |"
+            f" {row['s_per_step'] / ref['s_per_step']:.2f}x |"
         )
     if args.out:
         with open(args.out, "w") as f:
