@@ -1,0 +1,77 @@
+"""The pure planner: blocks, bytes, budgets and which blocks stay resident."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_blockwise.plan import BlockPlan, StepShape, parse_bytes, plan_residency
+
+
+def test_block_plan_partition() -> None:
+    plan = BlockPlan(num_layers=10, block_size=4)
+    assert plan.num_blocks == 3
+    assert [list(plan.layers_of(b)) for b in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [plan.block_of(i) for i in (0, 3, 4, 9)] == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("block_size", [0, 11])
+def test_block_plan_rejects_sizes(block_size: int) -> None:
+    with pytest.raises(MisconfigurationException, match="between 1 and the model's 10 decoder layers"):
+        BlockPlan(num_layers=10, block_size=block_size)
+
+
+def test_activation_peak_by_hand() -> None:
+    shape = StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=3)
+    saved = 3 * 512 * 8 * 2
+    logits = 512 * 100 * 10
+    graph = 512 * (6 * 8 + 4 * 16) * 2
+    dequantized = 2 * 8 * 16 * 2
+    assert shape.activation_peak() == saved + logits + graph + dequantized
+
+
+def test_no_budget_streams_everything() -> None:
+    plan = plan_residency(
+        [100, 100, 100, 100], 2, fixed_bytes=1000, trainable_bytes=10, activation_bytes=50, budget=None
+    )
+    assert plan.resident == ()
+    assert (plan.num_slots, plan.slot_bytes) == (3, 100)
+    assert plan.predicted_peak == plan.minimum == 1000 + 30 + 50 + 300
+
+
+def test_budget_keeps_blocks_resident() -> None:
+    sizes = [100, 100, 100, 100, 100, 100]
+    # Minimum: 1080 + 3 slots * 100 = 1380. Each resident block adds 100 while 3 slots remain.
+    plan = plan_residency(sizes, 2, fixed_bytes=1000, trainable_bytes=10, activation_bytes=50, budget=1599)
+    assert plan.minimum == 1380
+    assert plan.resident == (0, 1)
+    assert plan.predicted_peak == 1580 <= 1599
+    everything = plan_residency(sizes, 2, fixed_bytes=1000, trainable_bytes=10, activation_bytes=50, budget=10**9)
+    assert everything.resident == tuple(range(6)) and everything.num_slots == 0
+    assert everything.predicted_peak == 1080 + 600
+
+
+def test_fewer_slots_once_few_blocks_stream() -> None:
+    # Each resident block frees a slot once fewer than three blocks stream, so 400 bytes hold all four.
+    plan = plan_residency([100] * 4, 2, fixed_bytes=0, trainable_bytes=0, activation_bytes=0, budget=400)
+    assert plan.resident == (0, 1, 2, 3)
+    assert plan.num_slots == 0 and plan.predicted_peak == 400
+    plan = plan_residency([100] * 4, 2, fixed_bytes=0, trainable_bytes=0, activation_bytes=0, budget=399)
+    assert plan.resident == () and plan.num_slots == 3 and plan.predicted_peak == 300
+
+
+def test_budget_below_minimum_names_it() -> None:
+    with pytest.raises(MisconfigurationException, match=r"below the .* Raise the budget to at least"):
+        plan_residency([2**30] * 4, 2, fixed_bytes=0, trainable_bytes=0, activation_bytes=0, budget=2**30)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [(1234, 1234), ("16GiB", 16 * 2**30), ("24GB", 24 * 10**9), ("512 MiB", 512 * 2**20)]
+)
+def test_parse_bytes(text: int | str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_refuses_nonsense() -> None:
+    with pytest.raises(MisconfigurationException, match="memory size"):
+        parse_bytes("lots")
