@@ -41,11 +41,9 @@ SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False,
     ),
 }  # fmt: skip
-#: Blockwise arms: name -> BlockwiseStrategy options.
-BLOCKWISE_ARMS: dict[str, dict[str, Any]] = {
-    "blockwise": {"block_size": 1, "prefetch_depth": 2},
-    "blockwise_b2": {"block_size": 2, "prefetch_depth": 2},
-}
+#: Arms run by default; `blockwise:B:D[:BUDGET]` is BlockwiseStrategy(block_size=B, prefetch_depth=D,
+#: vram_budget=BUDGET), e.g. `blockwise:1:2:6GB`.
+DEFAULT_ARMS = ["resident", "resident_ckpt", "blockwise:1:2", "blockwise:2:2"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -131,13 +129,27 @@ def run_arm(model: nn.Module, arm: str, steps: int, warmup: int, vocab: int, det
         ids = torch.randint(0, vocab, (1, 512), generator=gen)
         batches.append({"input_ids": ids, "labels": ids})
     timer = StepTimer(warmup)
-    strategy: Any = BlockwiseStrategy(**BLOCKWISE_ARMS[arm]) if arm in BLOCKWISE_ARMS else "auto"
+    strategy: Any = "auto"
+    if arm.startswith("blockwise"):
+        _, block_size, prefetch_depth, *budget = arm.split(":")
+        strategy = BlockwiseStrategy(
+            block_size=int(block_size), prefetch_depth=int(prefetch_depth), vram_budget=budget[0] if budget else None,
+            budget_tokens=512,
+        )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[timer], deterministic=deterministic,
     )  # fmt: skip
     trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    if isinstance(strategy, BlockwiseStrategy):
+        copy = strategy._host_copy
+        assert copy is not None
+        plan = strategy.residency_plan
+        assert plan is not None
+        print(f"host arena: {copy.arena.nbytes} B allocated, {copy.arena.bytes_needed} B needed, pinned:"
+              f" {copy.arena.storage.is_pinned()}; resident blocks {len(plan.resident)}; predicted peak"
+              f" {plan.predicted_peak / 1e9:.2f} GB", flush=True)  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 1e9
     if arm == "resident_ckpt":
         model.gradient_checkpointing_disable()
@@ -156,12 +168,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--arms", nargs="+", default=["resident", "resident_ckpt", *BLOCKWISE_ARMS])
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="resident, resident_ckpt, blockwise:B:D")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+    if args.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
+        parser.error("--deterministic needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment (cuBLAS reads it once)")
     device = torch.device("cuda")
     mode = "deterministic" if args.deterministic else "default"
     rows = []

@@ -1,0 +1,113 @@
+"""The residency engine on a CUDA device: slot-reuse races, memory across repeated fits, budgets.
+
+`python -m pytest tests/gpu/test_gpu_streaming.py -s` on a CUDA machine (shapes are small, so
+default mode is deterministic here; the parity tests at 1B+ shapes are in test_gpu_parity.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+import lightning_blockwise  # noqa: F401
+from lightning_blockwise import BlockwiseStrategy, remat
+from lightning_blockwise.streamer import BlockStreamer
+from tests.models import CausalLMModule, assert_equal_runs, fit, padded_batches, runs_differ
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama_small")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8
+    )
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _builder(path: Path) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, device_map="cuda:0")
+        model.train()
+        lora = LoraConfig(r=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "down_proj"])
+        return get_peft_model(model, lora)
+
+    return build
+
+
+def _fit(path: Path, strategy: Any, **kwargs: Any) -> Any:
+    batches = padded_batches(8, batch_size=2, seq=128, vocab=1024)
+    return fit(CausalLMModule(_builder(path)), strategy, batches, accelerator="gpu", precision="bf16-mixed", **kwargs)
+
+
+def _delay_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put ~10 ms of GPU sleep before every layer run, so the host issues copies far ahead of compute."""
+    original = remat.RematLayer.run
+
+    def slow_run(self: remat.RematLayer, hidden: torch.Tensor, call: Any) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)
+        return original(self, hidden, call)
+
+    monkeypatch.setattr(remat.RematLayer, "run", slow_run)
+
+
+def test_slot_reuse_waits_for_delayed_compute(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    resident = _fit(checkpoint, "auto")
+    _delay_compute(monkeypatch)
+    delayed = _fit(checkpoint, BlockwiseStrategy(block_size=1, prefetch_depth=1))
+    assert_equal_runs(resident, delayed)
+
+
+def test_control_slot_reuse_without_freed_events_races(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race test can fail: without the `freed` events a refill overwrites a slot still being read."""
+    resident = _fit(checkpoint, "auto")
+    _delay_compute(monkeypatch)
+    monkeypatch.setattr(BlockStreamer, "release", lambda self, layer, phase: None)
+    racing = _fit(checkpoint, BlockwiseStrategy(block_size=1, prefetch_depth=1))
+    assert runs_differ(resident, racing)
+
+
+def test_repeated_fits_do_not_grow_memory(checkpoint: Path) -> None:
+    module = CausalLMModule(_builder(checkpoint))
+    batches = padded_batches(4, batch_size=2, seq=128, vocab=1024)
+    allocated, arenas = [], []
+    for _ in range(3):
+        strategy = BlockwiseStrategy(block_size=2)
+        fit(module, strategy, batches, accelerator="gpu", precision="bf16-mixed", max_steps=2)
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+        arenas.append(strategy._host_copy)
+    print(f"[gpu memory] allocated after each fit: {allocated}; host arena {arenas[0].arena.nbytes} B")
+    assert allocated[1] == allocated[2]
+    assert arenas[0] is arenas[1] is arenas[2] and arenas[0].arena.pinned
+
+
+def test_budget_parity(checkpoint: Path) -> None:
+    resident = _fit(checkpoint, "auto")
+    probe = BlockwiseStrategy(block_size=1)
+    _fit(checkpoint, probe, max_steps=1)
+    assert probe.residency_plan is not None and probe._host_copy is not None
+    budget = probe.residency_plan.minimum + 3 * probe._host_copy.layouts[0].nbytes
+    strategy = BlockwiseStrategy(block_size=1, vram_budget=budget)
+    assert_equal_runs(resident, _fit(checkpoint, strategy))
+    assert strategy.residency_plan is not None and len(strategy.residency_plan.resident) >= 3
