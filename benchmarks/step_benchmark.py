@@ -40,6 +40,10 @@ SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
         num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False,
     ),
+    "72b": lambda: transformers.Qwen2Config(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 #: Arms run by default; `blockwise:B:D[:BUDGET]` is BlockwiseStrategy(block_size=B, prefetch_depth=D,
 #: vram_budget=BUDGET), e.g. `blockwise:1:2:6GB`.
