@@ -65,7 +65,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     Raises:
         MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is below 1,
-            or ``vram_budget`` cannot be read as a size.
+            ``vram_budget`` cannot be read as a size, or ``device`` is a GPU and CUDA is not available.
 
     Example::
 
@@ -97,6 +97,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             )
         if budget_tokens < 1:
             raise MisconfigurationException(f"`BlockwiseStrategy(budget_tokens={budget_tokens})` must be at least 1.")
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise MisconfigurationException(
+                f"`BlockwiseStrategy(device={str(device)!r})` asks for a GPU, but CUDA is not available. Install a"
+                " CUDA build of torch on a machine with an NVIDIA GPU, or train on the CPU (`accelerator='cpu'`)."
+            )
         super().__init__(
             device="cpu" if device is None else device,
             accelerator=accelerator,
