@@ -43,13 +43,30 @@ TARGETS: dict[str, list[str]] = {
 _DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def nf4_config() -> BitsAndBytesConfig:
+def nf4_config(compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig:
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_compute_dtype=compute_dtype,
     )
+
+
+def nf4_lora_builder(
+    path: Path, target_modules: list[str], r: int, lora_dropout: float = 0.05, device_map: str = "cuda:0"
+) -> Callable[[], nn.Module]:
+    """Build a PEFT-LoRA model over the checkpoint at ``path`` loaded as NF4 with bf16 compute (GPU tests)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=nf4_config(torch.bfloat16), device_map=device_map
+        )
+        model.train()
+        lora = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=target_modules)
+        return get_peft_model(model, lora)
+
+    return build
 
 
 def save_checkpoint(model_type: str, path: Path, seed: int = 0) -> Path:

@@ -18,12 +18,19 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.rng import RngSnapshot
-from tests.models import CausalLMModule, RunResult, assert_equal_runs, fit, padded_batches, runs_differ
+from tests.models import (
+    CausalLMModule,
+    RunResult,
+    assert_equal_runs,
+    fit,
+    nf4_lora_builder,
+    padded_batches,
+    runs_differ,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,20 +78,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _builder(path: Path) -> Callable[[], torch.nn.Module]:
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, device_map="cuda:0")
-        model.train()
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets))
-
-    return build
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return nf4_lora_builder(path, targets, r=16)
 
 
 def _fit_gpu(path: Path, strategy: Any, deterministic: bool) -> RunResult:

@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, remat
 from lightning_blockwise.streamer import BlockStreamer
-from tests.models import CausalLMModule, assert_equal_runs, fit, padded_batches, runs_differ
+from tests.models import CausalLMModule, assert_equal_runs, fit, nf4_lora_builder, padded_batches, runs_differ
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,20 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _builder(path: Path) -> Callable[[], torch.nn.Module]:
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, device_map="cuda:0")
-        model.train()
-        lora = LoraConfig(r=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "down_proj"])
-        return get_peft_model(model, lora)
-
-    return build
+    return nf4_lora_builder(path, ["q_proj", "v_proj", "down_proj"], r=8)
 
 
 def _fit(path: Path, strategy: Any, **kwargs: Any) -> Any:
