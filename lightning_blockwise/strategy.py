@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -152,8 +154,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
         assert self.streamer is not None and self.residency_plan is not None and self._host_copy is not None
         self._layers = list(stack.layers)
-        params = [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
-        remat.install(self._layers, params, self.streamer)
+        remat.install(self._layers, self._layer_params(), self.streamer)
         rank_zero_info(
             f"BlockwiseStrategy: {len(self._layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
             f" of up to {self.block_size}, {len(self.streamer.streamed)} streamed through"
@@ -180,26 +181,28 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if device.type == "cpu":
             self._repack_flags = disable_cpu_repack(self._stack)
         self.residency_plan = self._plan_residency()
-        self.streamer = BlockStreamer(
+        self.streamer = self._new_streamer(self.residency_plan.resident)
+
+    def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
+        assert self.plan is not None and self._host_copy is not None
+        return BlockStreamer(
             self.plan,
             self._host_copy.layouts,
             self._host_copy.arena.slabs,
-            device,
+            self.root_device,
             self.prefetch_depth,
-            resident=self.residency_plan.resident,
+            resident=sorted(resident),
         )
 
-    def _plan_residency(self) -> ResidencyPlan:
-        assert self._stack is not None and self._host_copy is not None
+    def _layer_params(self) -> list[list[torch.nn.Parameter]]:
+        return [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
+
+    def _step_shape(self) -> StepShape:
+        assert self._stack is not None
         config = self._stack.model.config
         config = getattr(config, "text_config", None) or config
-        on_device = {}
-        for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
-            if tensor.device == self.root_device:
-                on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        trainable = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
         head = self._stack.model.get_output_embeddings()
-        shape = StepShape(
+        return StepShape(
             tokens=self.budget_tokens,
             hidden_size=config.hidden_size,
             intermediate_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
@@ -207,14 +210,91 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             num_layers=len(self._stack.layers),
             activation_bytes=head.weight.element_size() if head is not None else 2,
         )
+
+    def _plan_residency(self) -> ResidencyPlan:
+        assert self._stack is not None and self._host_copy is not None
+        on_device = {}
+        for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
+            if tensor.device == self.root_device:
+                on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        trainable = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
         return plan_residency(
             block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
             prefetch_depth=self.prefetch_depth,
             fixed_bytes=sum(on_device.values()),
             trainable_bytes=trainable,
-            activation_bytes=shape.activation_peak(),
+            activation_bytes=self._step_shape().activation_peak(),
             budget=self.vram_budget,
         )
+
+    def resident_prefix_bytes(self, num_blocks: int) -> int:
+        """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
+
+        The blocks' slabs (those the residency plan does not keep on the device already) plus,
+        per layer, one layer's autograd graph at ``budget_tokens`` tokens: a resident layer
+        keeps its graph from the forward to the backward, a rematerialized one only its input.
+        An estimate in the planner's terms (:class:`~lightning_blockwise.plan.StepShape`).
+
+        Args:
+            num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
+        """
+        assert self.plan is not None and self._host_copy is not None and self.residency_plan is not None
+        shape = self._step_shape()
+        layer_graph = shape.tokens * (6 * shape.hidden_size + 4 * shape.intermediate_size) * shape.activation_bytes
+        blocks = [b for b in range(num_blocks) if b not in self.residency_plan.resident]
+        layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks))
+        return sum(self._host_copy.layouts[b].nbytes for b in blocks) + layers * layer_graph
+
+    @contextmanager
+    def resident_prefix(self, num_blocks: int) -> Iterator[None]:
+        """Run the layers of the first ``num_blocks`` blocks the resident way while the context is open.
+
+        Inside, those layers have their own forward back (plain autograd, no recompute) and read
+        their frozen tensors from device copies of their host slabs; the other layers stay
+        rematerialized and streamed. ``num_blocks=plan.num_blocks`` is resident training of the
+        whole stack. On exit every layer is rematerialized again and a fresh streamer of the
+        run's residency plan takes over; the host arena, the only authoritative copy of the
+        frozen weights, is never written, so what the run computes afterwards is unchanged.
+
+        Args:
+            num_blocks: Leading blocks to run resident, from ``0`` to ``plan.num_blocks``.
+
+        Raises:
+            ValueError: If ``num_blocks`` is out of range.
+
+        Example::
+
+            with strategy.resident_prefix(strategy.plan.num_blocks):
+                loss = module.training_step(batch, 0)  # as under strategy="auto"
+                loss.backward()
+        """
+        assert self.plan is not None and self.streamer is not None and self.residency_plan is not None
+        if not 0 <= num_blocks <= self.plan.num_blocks:
+            raise ValueError(
+                f"BlockwiseStrategy.resident_prefix: num_blocks={num_blocks} must be between 0 and the"
+                f" {self.plan.num_blocks} blocks of the plan."
+            )
+        # NOTE [ Resident prefix ]
+        # The streamer's slot bookkeeping assumes it alone binds every streamed block: a block
+        # it evicts is rebound to its host slab, a prefetched one to a slot view. A prefix block
+        # bound to a device copy behind its back would be rebound under a live resident graph,
+        # whose bitsandbytes quant states are read at backward time (NOTE [ Graphs do not
+        # outlive residency ] in remat.py). So the run's streamer is closed and a streamer that
+        # keeps the prefix blocks resident (the device copies) drives the context; on exit that
+        # one is closed as well and a fresh streamer of the run's plan, bound as after setup,
+        # takes over. Device memory meanwhile: the run's slots and resident blocks plus the prefix.
+        prefix = [layer for block in range(num_blocks) for layer in self.plan.layers_of(block)]
+        params = self._layer_params()
+        self.streamer.close()
+        self.streamer = self._new_streamer({*self.residency_plan.resident, *range(num_blocks)})
+        try:
+            remat.install(self._layers, params, self.streamer)
+            remat.uninstall([self._layers[i] for i in prefix])
+            yield
+        finally:
+            self.streamer.close()
+            self.streamer = self._new_streamer(self.residency_plan.resident)
+            remat.install(self._layers, params, self.streamer)
 
     @override
     def on_train_start(self) -> None:

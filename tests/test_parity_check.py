@@ -1,0 +1,240 @@
+"""``ParityCheck``: passes on a correct run, catches a broken replay (control arm), leaves no trace,
+tells a nondeterministic stack from a broken replay, checks a prefix when the reference does not fit."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+import lightning_blockwise  # noqa: F401
+from lightning_blockwise import BlockwiseStrategy, remat
+from lightning_blockwise.callbacks import parity
+from lightning_blockwise.callbacks.parity import ParityCheck, ParityError
+from lightning_blockwise.rng import RngSnapshot
+from tests.models import (
+    NUM_LAYERS,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    collect,
+    fit,
+    padded_batches,
+    trainer,
+    trainer_optimizer,
+)
+
+
+def _builder(checkpoints: dict[str, Path] | None = None, model_type: str = "gemma2") -> Callable[[], Any]:
+    if checkpoints is None:
+        return lambda: build_model(model_type)
+    return lambda: build_model(model_type, checkpoint=checkpoints[model_type], quantized=True)
+
+
+def _break_rng_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control arm: the recompute draws other dropout masks than the forward did."""
+    monkeypatch.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
+
+
+@pytest.fixture
+def arms(monkeypatch: pytest.MonkeyPatch) -> list[list[bool]]:
+    """Per step the check runs: which decoder layers ran resident (no remat wrapper installed)."""
+    seen: list[list[bool]] = []
+    original = parity._step
+
+    def spy(strategy: BlockwiseStrategy, *args: Any) -> dict[str, Tensor | None]:
+        seen.append([remat.installed(layer) is None for layer in strategy._layers])
+        return original(strategy, *args)
+
+    monkeypatch.setattr(parity, "_step", spy)
+    return seen
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "nf4"])
+def test_passes_on_a_correct_run_and_logs(
+    tmp_path: Path, checkpoints: dict[str, Path], quantized: bool, arms: list[list[bool]]
+) -> None:
+    check = ParityCheck()
+    module = CausalLMModule(_builder(checkpoints if quantized else None))
+    fit(module, "blockwise", callbacks=[check], logger=CSVLogger(tmp_path, name="", version=""))
+    result = check.result
+    assert result is not None and result.passed and result.full and not result.mismatches
+    assert result.checked_layers == NUM_LAYERS and result.peak_vram_bytes is None
+    assert result.num_tensors == 1 + sum(p.requires_grad for p in module.parameters())
+    assert arms == [[False] * NUM_LAYERS, [True] * NUM_LAYERS], "blockwise arm, then the fully resident arm"
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["step"] == "0" and float(rows[0]["parity/passed"]) == 1.0
+    assert float(rows[0]["parity/checked_layers"]) == NUM_LAYERS
+
+
+def test_run_after_the_check_equals_a_run_without_it() -> None:
+    """Shuffled data and dropout: batch order, RNG streams, grads and recorded losses are as if no check ran."""
+
+    def run(callbacks: list[Callback]) -> Any:
+        module = CausalLMModule(_builder())
+        pl.seed_everything(0, verbose=False)
+        data = DataLoader(padded_batches(8), batch_size=None, shuffle=True)
+        trainer("blockwise", callbacks=callbacks).fit(module, data)
+        return collect(module, trainer_optimizer(module))
+
+    check = ParityCheck()
+    checked = run([check])
+    assert check.result is not None and check.result.passed
+    assert_equal_runs(checked, run([]))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "nf4"])
+def test_control_broken_replay_raises_before_any_step(
+    monkeypatch: pytest.MonkeyPatch, checkpoints: dict[str, Path], quantized: bool
+) -> None:
+    _break_rng_replay(monkeypatch)
+    module = CausalLMModule(_builder(checkpoints if quantized else None))
+    with pytest.raises(ParityError) as raised:
+        fit(module, "blockwise", callbacks=[ParityCheck()])
+    report = str(raised.value)
+    assert "lora_A" in report and "lora_B" in report and "max |diff|" in report and "elements differ" in report
+    assert "loss:" not in report, "the forward is unaffected by the recompute's RNG"
+    assert "replay is broken" in report and "nondeterministic" not in report
+    assert module.trainer.global_step == 0 and module.losses == [] and module.grads == []
+
+
+def test_control_warn_mode_warns_and_trains(monkeypatch: pytest.MonkeyPatch) -> None:
+    _break_rng_replay(monkeypatch)
+    check = ParityCheck(on_mismatch="warn")
+    module = CausalLMModule(_builder())
+    with pytest.warns(UserWarning, match="tensors differ"):
+        fit(module, "blockwise", callbacks=[check])
+    assert check.result is not None and check.result.passed is False and check.result.mismatches
+    assert module.trainer.global_step == 4 and len(module.losses) == 8
+
+
+class _NondeterministicModule(CausalLMModule):
+    """Every evaluation of the loss differs slightly, from a source no generator state covers."""
+
+    calls = 0
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.calls += 1
+        return super().training_step(batch, batch_idx) * (1 + 1e-3 * self.calls)
+
+
+def test_nondeterministic_stack_is_not_blamed_on_the_strategy() -> None:
+    with pytest.raises(ParityError) as raised:
+        fit(_NondeterministicModule(_builder()), "blockwise", callbacks=[ParityCheck()])
+    report = str(raised.value)
+    assert "loss:" in report and "nondeterministic" in report
+    assert "Trainer(deterministic=True)" in report and "CUBLAS_WORKSPACE_CONFIG=:4096:8" in report
+    assert "replay is broken" not in report
+
+
+def test_resumed_run_does_not_check_again_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = CausalLMModule(_builder())
+    first = trainer("blockwise", max_steps=2, callbacks=[ParityCheck()])
+    first.fit(module, DataLoader(padded_batches(8), batch_size=None))
+    first.save_checkpoint(tmp_path / "last.ckpt")
+
+    calls: list[bool] = []
+    original = ParityCheck._check
+
+    def spy(self: ParityCheck, *args: Any) -> Any:
+        calls.append(self.always)
+        return original(self, *args)
+
+    monkeypatch.setattr(ParityCheck, "_check", spy)
+    for always in (False, True):
+        check = ParityCheck(always=always)
+        resumed = trainer("blockwise", max_steps=4, callbacks=[check])
+        resumed.fit(
+            CausalLMModule(_builder()), DataLoader(padded_batches(8), batch_size=None), ckpt_path=tmp_path / "last.ckpt"
+        )
+        assert check.result is not None and check.result.passed and resumed.global_step == 4
+    assert calls == [True], "the resumed run skips the check; `always=True` redoes it"
+
+
+def test_state_dict_round_trip() -> None:
+    check = ParityCheck()
+    fit(CausalLMModule(_builder()), "blockwise", callbacks=[check], max_steps=1)
+    restored = ParityCheck()
+    restored.load_state_dict(check.state_dict())
+    assert restored.result == check.result
+
+
+class _LimitToBlocks(Callback):
+    """Sets the check's memory limit to exactly what the first ``num_blocks`` blocks need (runs before it)."""
+
+    def __init__(self, check: ParityCheck, num_blocks: int) -> None:
+        self.check = check
+        self.num_blocks = num_blocks
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, BlockwiseStrategy)
+        needs = [strategy.resident_prefix_bytes(k) for k in range(NUM_LAYERS + 1)]
+        assert needs[0] == 0 and all(a < b for a, b in itertools.pairwise(needs))
+        self.check.max_reference_bytes = needs[self.num_blocks]
+
+
+def test_prefix_mode_when_the_reference_does_not_fit(arms: list[list[bool]]) -> None:
+    check = ParityCheck()
+    fit(CausalLMModule(_builder()), "blockwise", callbacks=[_LimitToBlocks(check, 2), check])
+    result = check.result
+    assert result is not None and result.passed and not result.full
+    assert (result.checked_blocks, result.checked_layers, result.num_layers) == (2, 2, NUM_LAYERS)
+    assert "layers 0..1 (2 of 4 blocks) resident" in result.scope() and "layers 2..3 ran blockwise" in result.scope()
+    assert arms == [[False] * 4, [True, True, False, False]]
+
+
+def test_control_prefix_mode_still_catches_a_broken_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    _break_rng_replay(monkeypatch)
+    check = ParityCheck()
+    with pytest.raises(ParityError, match=r"layers 0\.\.0 \(1 of 4 blocks\)"):
+        fit(CausalLMModule(_builder()), "blockwise", callbacks=[_LimitToBlocks(check, 1), check])
+
+
+def test_nothing_fits_warns_and_trains() -> None:
+    check = ParityCheck(max_reference_bytes=1)
+    module = CausalLMModule(_builder())
+    with pytest.warns(UserWarning, match="Nothing was checked"):
+        fit(module, "blockwise", callbacks=[check], max_steps=1)
+    assert check.result is not None and check.result.passed is None and check.result.checked_layers == 0
+    assert module.trainer.global_step == 1
+
+
+def test_error_not_blockwise() -> None:
+    with pytest.raises(MisconfigurationException, match="needs `BlockwiseStrategy`"):
+        fit(CausalLMModule(_builder()), "auto", callbacks=[ParityCheck()])
+
+
+def test_error_bad_on_mismatch() -> None:
+    with pytest.raises(MisconfigurationException, match="on_mismatch='ignore'"):
+        ParityCheck(on_mismatch="ignore")  # type: ignore[arg-type]
+
+
+def test_resident_prefix_restores_the_strategy() -> None:
+    """Inside: the prefix layers are unwrapped; outside: every layer is wrapped, bound to the host arena again."""
+
+    class Probe(Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            strategy = trainer.strategy
+            assert isinstance(strategy, BlockwiseStrategy) and strategy._host_copy is not None
+            with pytest.raises(ValueError, match="num_blocks=5"):
+                with strategy.resident_prefix(5):
+                    pass
+            with strategy.resident_prefix(3):
+                assert [remat.installed(layer) is None for layer in strategy._layers] == [True] * 3 + [False]
+            assert all(remat.installed(layer).residency is strategy.streamer for layer in strategy._layers)
+            assert strategy._host_copy.is_bound()
+
+    fit(CausalLMModule(_builder()), "blockwise", callbacks=[Probe()], max_steps=1)
