@@ -81,9 +81,12 @@ class StepShape:
         """
         saved_inputs = self.num_layers * self.tokens * self.hidden_size * self.activation_bytes
         logits = self.tokens * self.vocab_size * _LOGIT_BYTES_PER_ENTRY
-        layer_graph = self.tokens * (6 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
-        return saved_inputs + logits + layer_graph + dequantized
+        return saved_inputs + logits + self.layer_graph() + dequantized
+
+    def layer_graph(self) -> int:
+        """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward)."""
+        return self.tokens * (6 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
 
 
 @dataclass(frozen=True)

@@ -239,8 +239,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
         """
         assert self.plan is not None and self._host_copy is not None and self.residency_plan is not None
-        shape = self._step_shape()
-        layer_graph = shape.tokens * (6 * shape.hidden_size + 4 * shape.intermediate_size) * shape.activation_bytes
+        layer_graph = self._step_shape().layer_graph()
         blocks = [b for b in range(num_blocks) if b not in self.residency_plan.resident]
         layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks))
         return sum(self._host_copy.layouts[b].nbytes for b in blocks) + layers * layer_graph
