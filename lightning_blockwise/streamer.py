@@ -21,6 +21,13 @@
 # no block is loaded twice in a row. An evicted block is rebound to its host slab (no
 # copy), so every module tensor always names memory that holds its value: a state_dict,
 # a checkpoint or a stray read after eviction sees the right bytes.
+#
+# NOTE [ Stream observer ]
+# The streamer tells its ``observer`` where copies, waits and layer runs begin and end, at
+# the point in stream order each happens: the copy hooks run while the copy stream is
+# current, the others while the compute stream is. An observer can record a CUDA event
+# right there (or read a host clock on the CPU) and read the timings later, without a
+# synchronize. The default observer does nothing, so the streamer needs no ``if`` for it.
 """
 
 from __future__ import annotations
@@ -43,6 +50,32 @@ class TransferStats:
 
     copies: int = 0
     bytes: int = 0
+
+
+class StreamObserver:
+    """Receives the streamer's copies, waits and layer runs as they are issued; this base ignores them.
+
+    See NOTE [ Stream observer ]. Subclass it and assign an instance to
+    :attr:`BlockStreamer.observer` to profile a run.
+    """
+
+    def copy_started(self, block: int) -> None:
+        """A copy of ``block`` into its slot is about to be issued on the copy stream."""
+
+    def copy_finished(self, block: int, nbytes: int) -> None:
+        """The copy of ``block`` (``nbytes`` bytes) has been issued on the copy stream."""
+
+    def wait_started(self, block: int) -> None:
+        """The compute stream is about to wait for the copy of ``block``."""
+
+    def wait_finished(self, block: int) -> None:
+        """The compute stream's wait for the copy of ``block`` has been issued."""
+
+    def layer_started(self, layer: int, phase: Pass) -> None:
+        """Layer ``layer``'s block is usable; its kernels in ``phase`` follow on the compute stream."""
+
+    def layer_finished(self, layer: int, phase: Pass) -> None:
+        """The last kernel of layer ``layer`` in ``phase`` has been issued on the compute stream."""
 
 
 class BlockStreamer(Residency):
@@ -94,6 +127,7 @@ class BlockStreamer(Residency):
         self._copied: list[torch.cuda.Event | None] = [None] * num_slots
         self._freed: list[torch.cuda.Event | None] = [None] * num_slots
         self.stats = TransferStats()
+        self.observer = StreamObserver()
 
     @property
     def device_bytes(self) -> int:
@@ -109,6 +143,7 @@ class BlockStreamer(Residency):
     def acquire(self, layer: int, phase: Pass) -> None:
         block = self.plan.block_of(layer)
         if block in self.resident:
+            self.observer.layer_started(layer, phase)
             return
         step = 1 if phase is Pass.FORWARD else -1
         window = [block + step * k for k in range(self.prefetch_depth + 1)]
@@ -119,13 +154,18 @@ class BlockStreamer(Residency):
         self._clock += 1
         self._last_use[slot] = self._clock
         if self._cuda and self._copied[slot] is not None:
+            self.observer.wait_started(block)
             torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+            self.observer.wait_finished(block)
         for ahead in window[1:]:
             if ahead not in self._block_slot:
                 self._fetch(ahead, window)
+        # After the prefetches: on the CPU they are synchronous copies, not part of the layer's run.
+        self.observer.layer_started(layer, phase)
 
     @override
     def release(self, layer: int, phase: Pass) -> None:
+        self.observer.layer_finished(layer, phase)
         block = self.plan.block_of(layer)
         if block in self.resident:
             return
@@ -157,12 +197,16 @@ class BlockStreamer(Residency):
             with torch.cuda.stream(self._copy_stream):
                 if self._freed[slot] is not None:
                     self._copy_stream.wait_event(self._freed[slot])
+                self.observer.copy_started(block)
                 target.copy_(host, non_blocking=True)
+                self.observer.copy_finished(block, layout.nbytes)
                 copied = torch.cuda.Event()
                 copied.record(self._copy_stream)
             self._copied[slot] = copied
         else:
+            self.observer.copy_started(block)
             target.copy_(host)
+            self.observer.copy_finished(block, layout.nbytes)
         self.stats.copies += 1
         self.stats.bytes += layout.nbytes
         self._slot_block[slot] = block

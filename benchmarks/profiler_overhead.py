@@ -1,0 +1,137 @@
+"""What `BlockwiseProfiler` costs: the same blockwise fit with and without it, step times side by side.
+
+Builds a random-init NF4 model of a real shape (`build_nf4` from step_benchmark.py), LoRA r=16 on
+q,k,v,o,gate,up,down, and fits it with `BlockwiseStrategy` (bf16-mixed, batch 1, AdamW) in two arms
+that differ only in the profiler: both log to a CSVLogger every `--log-every` steps. Arms alternate
+(`off`, `on`, `off`, `on`, ...; `--profiled-first` swaps them) to spread drift. Two step times per
+arm (medians over the repeats): the wall time of the steps after the warm-up divided by their
+number, synchronized only at both ends (a per-step synchronize would hide the lazy event reads the
+profiler relies on), and the median interval between batch starts, which a few slow steps do not
+move. The target is an overhead below 2% at `--log-every 50`.
+
+    python -m benchmarks.profiler_overhead --shape 7b [--steps 100] [--warmup 5] [--log-every 50] [--repeats 2]
+        [--profile-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.utils.data import DataLoader
+
+from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule, build_nf4
+from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
+
+
+class Throughput(pl.Callback):
+    """Step time after ``warmup``: the mean, synchronized only at both ends, and the median host interval."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.s_per_step = float("nan")
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx == self.warmup:
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
+        if idx >= self.warmup:
+            self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.cuda.synchronize()
+        self.s_per_step = (time.perf_counter() - self._start) / (trainer.global_step - self.warmup)
+
+    @property
+    def median_interval(self) -> float:
+        """Median time between consecutive batch starts: robust to a few slow steps, no synchronize."""
+        return statistics.median(b - a for a, b in zip(self.starts, self.starts[1:], strict=False))
+
+
+def run_arm(model: nn.Module, profiled: bool, args: argparse.Namespace, vocab: int, root: str) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (1, args.seq), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids})
+    throughput = Throughput(args.warmup)
+    callbacks: list[pl.Callback] = [throughput]
+    # The timeline is drawn after the fit, outside the timed window.
+    profiler = BlockwiseProfiler(timeline=True, dirpath=args.profile_dir or root) if profiled else None
+    if profiler is not None:
+        callbacks.append(profiler)
+    strategy = BlockwiseStrategy(
+        block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.steps,
+        logger=CSVLogger(root, name="profiler" if profiled else "plain"), log_every_n_steps=args.log_every,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    torch.cuda.empty_cache()
+    row: dict[str, Any] = {
+        "arm": "on" if profiled else "off",
+        "s_per_step": throughput.s_per_step,
+        "median_interval_s": throughput.median_interval,
+    }
+    if profiler is not None:
+        row["profiler_summary"] = profiler.summary
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    parser.add_argument("--steps", type=int, default=100, help="measured steps per arm")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--log-every", type=int, default=50, help="the Trainer's log_every_n_steps")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating")
+    parser.add_argument("--profiled-first", action="store_true", help="alternate on, off, ... instead of off, on")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=1)
+    parser.add_argument("--prefetch-depth", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--profile-dir", default=None, help="where the profiled arm writes its JSON summary and PNG")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    config = SHAPES[args.shape]()
+    model = get_peft_model(build_nf4(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for repeat in range(args.repeats):
+            for profiled in (True, False) if args.profiled_first else (False, True):
+                model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
+                row = {"shape": args.shape, "repeat": repeat, **run_arm(model, profiled, args, config.vocab_size, root)}
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "profiler_summary"}), flush=True)
+    off = statistics.median(r["s_per_step"] for r in rows if r["arm"] == "off")
+    on = statistics.median(r["s_per_step"] for r in rows if r["arm"] == "on")
+    off_median = statistics.median(r["median_interval_s"] for r in rows if r["arm"] == "off")
+    on_median = statistics.median(r["median_interval_s"] for r in rows if r["arm"] == "on")
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.shape}, seq {args.seq}, block_size"
+          f" {args.block_size}, prefetch_depth {args.prefetch_depth}, log_every_n_steps {args.log_every}")  # fmt: skip
+    print("| arm | mean s/step | median step interval, s |")
+    print("| --- | --- | --- |")
+    print(f"| without profiler | {off:.4f} | {off_median:.4f} |")
+    print(f"| with profiler | {on:.4f} | {on_median:.4f} |")
+    mean_pct, median_pct = (on / off - 1) * 100, (on_median / off_median - 1) * 100
+    print(f"overhead: {mean_pct:+.2f}% mean, {median_pct:+.2f}% median (target < 2%)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
