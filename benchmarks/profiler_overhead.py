@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=50, help="the Trainer's log_every_n_steps")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating")
     parser.add_argument("--profiled-first", action="store_true", help="alternate on, off, ... instead of off, on")
+    parser.add_argument(
+        "--only", choices=["on", "off"], default=None, help="run one arm (one per process avoids order effects)"
+    )
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=1)
     parser.add_argument("--prefetch-depth", type=int, default=2)
@@ -111,7 +114,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for repeat in range(args.repeats):
-            for profiled in (True, False) if args.profiled_first else (False, True):
+            order = (True, False) if args.profiled_first else (False, True)
+            for profiled in order if args.only is None else (args.only == "on",):
                 model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
                 row = {"shape": args.shape, "repeat": repeat, **run_arm(model, profiled, args, config.vocab_size, root)}
                 rows.append(row)
