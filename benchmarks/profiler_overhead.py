@@ -120,6 +120,11 @@ def main() -> None:
                 row = {"shape": args.shape, "repeat": repeat, **run_arm(model, profiled, args, config.vocab_size, root)}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "profiler_summary"}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.only is not None:
+        return  # one arm: compare the JSON rows of two processes
     off = statistics.median(r["s_per_step"] for r in rows if r["arm"] == "off")
     on = statistics.median(r["s_per_step"] for r in rows if r["arm"] == "on")
     off_median = statistics.median(r["median_interval_s"] for r in rows if r["arm"] == "off")
@@ -132,9 +137,6 @@ def main() -> None:
     print(f"| with profiler | {on:.4f} | {on_median:.4f} |")
     mean_pct, median_pct = (on / off - 1) * 100, (on_median / off_median - 1) * 100
     print(f"overhead: {mean_pct:+.2f}% mean, {median_pct:+.2f}% median (target < 2%)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
