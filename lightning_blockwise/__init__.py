@@ -7,10 +7,17 @@ Importing the package registers ``"blockwise"`` in Lightning's strategy registry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
-from lightning_blockwise.callbacks import BlockwiseProfiler
+from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError
 from lightning_blockwise.strategy import BlockwiseStrategy
 
 BlockwiseStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["VALIDATED_MODEL_TYPES", "BlockwiseProfiler", "BlockwiseStrategy", "__version__"]
+__all__ = [
+    "VALIDATED_MODEL_TYPES",
+    "BlockwiseProfiler",
+    "BlockwiseStrategy",
+    "ParityCheck",
+    "ParityError",
+    "__version__",
+]
