@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from transformers import AutoModelForCausalLM
 
 from tests.models import CONFIGS, save_checkpoint
 
@@ -27,3 +29,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A saved random-init checkpoint per architecture, for the `from_pretrained` (and NF4) path."""
     root = tmp_path_factory.mktemp("checkpoints")
     return {model_type: save_checkpoint(model_type, root / model_type) for model_type in CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def small_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bf16 8-layer Llama checkpoint, big enough for real copies and kernels on a GPU, small enough for seconds."""
+    path = tmp_path_factory.mktemp("llama_small")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8
+    )
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    return path

@@ -10,11 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
@@ -185,14 +183,8 @@ def test_negative_timeline_index_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama_small")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8
-    )
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    return path
+def gpu_checkpoint(small_llama_checkpoint: Path) -> Path:
+    return small_llama_checkpoint
 
 
 @pytest.mark.gpu

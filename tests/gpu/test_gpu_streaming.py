@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
-from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, remat
@@ -27,14 +25,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama_small")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8
-    )
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    return path
+def checkpoint(small_llama_checkpoint: Path) -> Path:
+    return small_llama_checkpoint
 
 
 def _builder(path: Path) -> Callable[[], torch.nn.Module]:
