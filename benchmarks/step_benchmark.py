@@ -147,7 +147,7 @@ def run_arm(model: nn.Module, arm: str, steps: int, warmup: int, vocab: int, det
     )  # fmt: skip
     trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
     if isinstance(strategy, BlockwiseStrategy):
-        copy = strategy._host_copy
+        copy = strategy.host_copy
         assert copy is not None
         plan = strategy.residency_plan
         assert plan is not None

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_blockwise import embedding, remat
+from lightning_blockwise import embedding, placement, remat
 from lightning_blockwise.architectures import (
     DecoderStack,
     adapter_parameters,
@@ -26,13 +26,7 @@ from lightning_blockwise.architectures import (
     eval_mode_4bit_modules,
     find_decoder_stack,
 )
-from lightning_blockwise.placement import (
-    HostCopy,
-    disable_cpu_repack,
-    host_copy,
-    move_rest_to_device,
-    restore_cpu_repack,
-)
+from lightning_blockwise.placement import HostCopy, disable_cpu_repack, move_rest_to_device, restore_cpu_repack
 from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
 from lightning_blockwise.streamer import BlockStreamer
 
@@ -165,12 +159,17 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             f" {self.budget_tokens} tokens per micro-batch."
         )
 
+    @property
+    def host_copy(self) -> HostCopy | None:
+        """The module's host arena and block layouts (kept after teardown: the arena lives with the module)."""
+        return self._host_copy
+
     @override
     def model_to_device(self) -> None:
         """Bind the decoder layers' frozen tensors to the host arena and move the rest to the device."""
         assert self._stack is not None and self.plan is not None
         device = self.root_device
-        self._host_copy = host_copy(self._stack, self.plan, pin=device.type == "cuda")
+        self._host_copy = placement.host_copy(self._stack, self.plan, pin=device.type == "cuda")
         embedding_module = self._stack.model.get_input_embeddings()
         on_host = []
         if embedding_module is not None and embedding.can_stay_on_host(embedding_module, self.lightning_module):

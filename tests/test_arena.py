@@ -57,8 +57,8 @@ def test_dropping_the_module_frees_the_arena(checkpoints: dict[str, Path]) -> No
     module = CausalLMModule(lambda: build_model("qwen3", checkpoint=checkpoints["qwen3"], quantized=True))
     strategy = BlockwiseStrategy()
     fit(module, strategy, max_steps=1)
-    assert strategy._host_copy is not None
-    alive = weakref.ref(strategy._host_copy.arena)
+    assert strategy.host_copy is not None
+    alive = weakref.ref(strategy.host_copy.arena)
     del module, strategy
     gc.collect()
     assert alive() is None

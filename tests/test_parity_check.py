@@ -228,13 +228,13 @@ def test_resident_prefix_restores_the_strategy() -> None:
     class Probe(Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             strategy = trainer.strategy
-            assert isinstance(strategy, BlockwiseStrategy) and strategy._host_copy is not None
+            assert isinstance(strategy, BlockwiseStrategy) and strategy.host_copy is not None
             with pytest.raises(ValueError, match="num_blocks=5"):
                 with strategy.resident_prefix(5):
                     pass
             with strategy.resident_prefix(3):
                 assert [remat.installed(layer) is None for layer in strategy._layers] == [True] * 3 + [False]
             assert all(remat.installed(layer).residency is strategy.streamer for layer in strategy._layers)
-            assert strategy._host_copy.is_bound()
+            assert strategy.host_copy.is_bound()
 
     fit(CausalLMModule(_builder()), "blockwise", callbacks=[Probe()], max_steps=1)

@@ -79,8 +79,8 @@ def test_logs_keys_and_bytes_match_the_streamer_and_the_plan(checkpoints: dict[s
     assert {k.removeprefix("blockwise/") for k in rows[0] if k.startswith("blockwise/") and rows[0][k]} == CPU_KEYS
     logged = [float(row["blockwise/h2d_bytes_per_step"]) for row in rows]
     assert logged == reference.bytes and all(b > 0 for b in logged)
-    assert strategy._host_copy is not None
-    first, later = predicted_bytes_per_batch(strategy._host_copy.layouts, set(), prefetch_depth=2)
+    assert strategy.host_copy is not None
+    first, later = predicted_bytes_per_batch(strategy.host_copy.layouts, set(), prefetch_depth=2)
     assert logged == [first, later, later, later]
     for row in rows:
         assert 0 < float(row["blockwise/step_time_s"]) < 60
@@ -200,9 +200,9 @@ def test_gpu_bytes_per_step_match_the_plan_and_png(gpu_checkpoint: Path, tmp_pat
         module, strategy, batches, callbacks=[profiler], logger=logger,
         accelerator="gpu", precision="bf16-mixed", log_every_n_steps=1, accumulate_grad_batches=1, max_steps=6,
     )  # fmt: skip
-    assert strategy._host_copy is not None and strategy.residency_plan is not None
+    assert strategy.host_copy is not None and strategy.residency_plan is not None
     first, later = predicted_bytes_per_batch(
-        strategy._host_copy.layouts, set(strategy.residency_plan.resident), prefetch_depth=2
+        strategy.host_copy.layouts, set(strategy.residency_plan.resident), prefetch_depth=2
     )
     rows = _read_csv(logger)
     assert [float(row["blockwise/h2d_bytes_per_step"]) for row in rows] == [first] + [later] * 5

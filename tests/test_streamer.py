@@ -43,7 +43,7 @@ def test_blocks_are_bound_to_the_host_arena_after_fit(checkpoints: dict[str, Pat
     module = CausalLMModule(_nf4(checkpoints))
     strategy = BlockwiseStrategy(block_size=2)
     fit(module, strategy, max_steps=1)
-    copy = strategy._host_copy
+    copy = strategy.host_copy
     assert copy is not None and copy.is_bound()
     assert all(not unbound(layout, slab) for layout, slab in zip(copy.layouts, copy.arena.slabs, strict=True))
     assert copy.arena.nbytes - copy.arena.bytes_needed < 256 * len(copy.layouts)
@@ -56,8 +56,8 @@ def test_blocks_are_bound_to_the_host_arena_after_fit(checkpoints: dict[str, Pat
 def test_budget_parity_with_resident_blocks(checkpoints: dict[str, Path], budget_blocks: int) -> None:
     probe = BlockwiseStrategy(block_size=1)
     fit(CausalLMModule(_nf4(checkpoints, "gemma2")), probe, max_steps=1)
-    assert probe.residency_plan is not None and probe._host_copy is not None
-    block = probe._host_copy.layouts[0].nbytes
+    assert probe.residency_plan is not None and probe.host_copy is not None
+    block = probe.host_copy.layouts[0].nbytes
     budget = probe.residency_plan.minimum + budget_blocks * block
     stats = _Stats()
     resident = fit(CausalLMModule(_nf4(checkpoints, "gemma2")), "auto")

@@ -77,7 +77,7 @@ def test_repeated_fits_do_not_grow_memory(checkpoint: Path) -> None:
         module.losses.clear()
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
-        arenas.append(strategy._host_copy)
+        arenas.append(strategy.host_copy)
     print(f"[gpu memory] allocated after each fit: {allocated}; host arena {arenas[0].arena.nbytes} B")
     assert allocated[1] == allocated[2]
     assert arenas[0] is arenas[1] is arenas[2] and arenas[0].arena.pinned
@@ -87,8 +87,8 @@ def test_budget_parity(checkpoint: Path) -> None:
     resident = _fit(checkpoint, "auto")
     probe = BlockwiseStrategy(block_size=1)
     _fit(checkpoint, probe, max_steps=1)
-    assert probe.residency_plan is not None and probe._host_copy is not None
-    budget = probe.residency_plan.minimum + 3 * probe._host_copy.layouts[0].nbytes
+    assert probe.residency_plan is not None and probe.host_copy is not None
+    budget = probe.residency_plan.minimum + 3 * probe.host_copy.layouts[0].nbytes
     strategy = BlockwiseStrategy(block_size=1, vram_budget=budget)
     assert_equal_runs(resident, _fit(checkpoint, strategy))
     assert strategy.residency_plan is not None and len(strategy.residency_plan.resident) >= 3
