@@ -1,0 +1,360 @@
+"""`load_blockwise` against the standard `from_pretrained(..., quantization_config=nf4)` path (CPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from bitsandbytes.nn import Linear4bit
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+
+import lightning_blockwise.arena
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.loader import load_blockwise, predict_block_bytes
+from lightning_blockwise.placement import _HOST_COPY_ATTR
+from tests.models import CONFIGS, TARGETS, CausalLMModule, assert_equal_runs, fit, nf4_config, padded_batches
+
+_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _save(model_type: str, path: Path, dtype: torch.dtype, max_shard_size: str | None = None) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[model_type](), dtype=dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def _standard(path: Path, compute_dtype: torch.dtype) -> PreTrainedModel:
+    """The standard path; `.train()` at once (NOTE [ bitsandbytes CPU inference kernel ] in strategy.py)."""
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=nf4_config(compute_dtype), device_map="cpu", dtype=compute_dtype
+    ).train()
+
+
+def _load(path: Path, compute_dtype: torch.dtype, block_size: int = 1) -> PreTrainedModel:
+    return load_blockwise(path, compute_dtype=compute_dtype, device="cpu", block_size=block_size, progress=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints by name: fp32 and bf16, single file and sharded, and a pre-quantized one."""
+    root = tmp_path_factory.mktemp("loader")
+    paths = {
+        "llama-bf16": _save("llama", root / "llama-bf16", torch.bfloat16),
+        "llama-fp32-sharded": _save("llama", root / "llama-fp32-sharded", torch.float32, max_shard_size="40KB"),
+        "qwen2-bf16-sharded": _save("qwen2", root / "qwen2-bf16-sharded", torch.bfloat16, max_shard_size="40KB"),
+        "phi3-fp32": _save("phi3", root / "phi3-fp32", torch.float32),
+        "gemma2-bf16": _save("gemma2", root / "gemma2-bf16", torch.bfloat16),
+    }
+    for name in ("llama", "qwen2"):
+        # What a `*-bnb-4bit` checkpoint is: `save_pretrained` of a model loaded in 4-bit.
+        quantized = _standard(paths[f"{name}-bf16" if name == "llama" else "qwen2-bf16-sharded"], torch.bfloat16)
+        quantized.save_pretrained(root / f"{name}-nf4")
+        paths[f"{name}-nf4"] = root / f"{name}-nf4"
+    assert (paths["qwen2-bf16-sharded"] / "model.safetensors.index.json").is_file()
+    return paths
+
+
+def _frozen_4bit(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every 4-bit linear's packed weight, absmax, nested absmax, offset and code tables, by name."""
+    found = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear4bit):
+            continue
+        state = module.weight.quant_state
+        found[f"{name}.weight"] = module.weight.data
+        found[f"{name}.absmax"] = state.absmax
+        found[f"{name}.code"] = state.code
+        if state.nested:
+            found[f"{name}.offset"] = state.offset
+            found[f"{name}.nested_absmax"] = state.state2.absmax
+            found[f"{name}.nested_code"] = state.state2.code
+    return found
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _assert_same_model(expected: nn.Module, actual: nn.Module) -> None:
+    a, b = _frozen_4bit(expected), _frozen_4bit(actual)
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+        assert _digest(a[name]) == _digest(b[name]), name
+    for name, module in expected.named_modules():
+        if isinstance(module, Linear4bit):
+            theirs, ours = module.weight.quant_state, actual.get_submodule(name).weight.quant_state
+            assert (theirs.blocksize, theirs.quant_type, theirs.dtype, theirs.shape) == (
+                ours.blocksize,
+                ours.quant_type,
+                ours.dtype,
+                ours.shape,
+            ), name
+    params_a, params_b = dict(expected.named_parameters()), dict(actual.named_parameters())
+    assert params_a.keys() == params_b.keys()
+    for name, param in params_a.items():
+        assert param.dtype == params_b[name].dtype and torch.equal(param, params_b[name]), name
+    buffers_b = dict(actual.named_buffers())
+    for name, buffer in expected.named_buffers():
+        assert torch.equal(buffer, buffers_b[name]), name
+
+
+@pytest.mark.parametrize(
+    ("name", "compute_dtype"),
+    [
+        ("llama-bf16", torch.bfloat16),
+        ("llama-bf16", torch.float32),
+        ("llama-fp32-sharded", torch.bfloat16),
+        ("llama-fp32-sharded", torch.float32),
+        ("qwen2-bf16-sharded", torch.bfloat16),
+        ("phi3-fp32", torch.float32),
+        ("gemma2-bf16", torch.bfloat16),
+        ("llama-nf4", torch.float32),
+        ("qwen2-nf4", torch.bfloat16),
+    ],
+)
+def test_bytes_equal_standard_path(saved: dict[str, Path], name: str, compute_dtype: torch.dtype) -> None:
+    expected = _standard(saved[name], compute_dtype)
+    actual = _load(saved[name], compute_dtype, block_size=2)
+    _assert_same_model(expected, actual)
+    assert actual.training and actual.is_loaded_in_4bit
+
+
+def test_prequantized_needs_no_quantization(saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pre-quantized checkpoint is deserialized: no weight goes through bitsandbytes' quantizer."""
+    monkeypatch.setattr("bitsandbytes.functional.quantize_4bit", _refuse)
+    _load(saved["llama-nf4"], torch.float32)
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("quantize_4bit called for a pre-quantized checkpoint")
+
+
+def test_host_copy_is_the_arena(saved: dict[str, Path]) -> None:
+    """Every frozen layer tensor is a view of the arena, whose block sizes were predicted exactly."""
+    model = _load(saved["qwen2-bf16-sharded"], torch.float32, block_size=3)
+    copy = vars(model)[_HOST_COPY_ATTR]
+    layers = model.model.layers
+    assert copy.layer_ranges == (range(0, 3), range(3, 4)) and copy.is_bound()
+    assert [layout.nbytes for layout in copy.layouts] == [slab.numel() for slab in copy.arena.slabs]
+    assert [predict_block_bytes(layers[r.start : r.stop]) for r in copy.layer_ranges] == [
+        layout.nbytes for layout in copy.layouts
+    ]
+    storage = copy.arena.storage.untyped_storage().data_ptr()
+    for layer in layers:
+        for param in layer.parameters():
+            assert param.untyped_storage().data_ptr() == storage
+        assert not any(param.requires_grad for param in layer.parameters())
+
+
+def _lora(model_type: str) -> Callable[[PreTrainedModel], nn.Module]:
+    def wrap(model: PreTrainedModel) -> nn.Module:
+        torch.manual_seed(1)
+        lora = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.1,
+            target_modules=TARGETS.get(model_type, _DEFAULT_TARGETS),
+            init_lora_weights=False,
+        )
+        return get_peft_model(model, lora)
+
+    return wrap
+
+
+@pytest.mark.parametrize(
+    ("model_type", "name"), [("llama", "llama-bf16"), ("qwen2", "qwen2-bf16-sharded"), ("llama", "llama-nf4")]
+)
+def test_training_equals_standard_path(saved: dict[str, Path], model_type: str, name: str) -> None:
+    """Fitting with `BlockwiseStrategy` from the loaded model is `torch.equal` to fitting from the standard path."""
+    wrap = _lora(model_type)
+    control = fit(CausalLMModule(lambda: wrap(_standard(saved[name], torch.float32))), BlockwiseStrategy(block_size=2))
+    loaded = CausalLMModule(lambda: wrap(_load(saved[name], torch.float32, block_size=2)))
+    arena = vars(loaded.model.base_model.model)[_HOST_COPY_ATTR]
+    strategy = BlockwiseStrategy(block_size=2)
+    assert_equal_runs(control, fit(loaded, strategy))
+    # The strategy trained from the loader's arena instead of packing a second one.
+    assert strategy.host_copy is arena
+
+
+def _corrupt(saved: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for file in saved.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    return copy
+
+
+def test_missing_checkpoint_files(saved: dict[str, Path], tmp_path: Path) -> None:
+    path = _corrupt(saved["qwen2-bf16-sharded"], tmp_path)
+    shard = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.1.mlp.up_proj.weight"
+    ]
+    (path / shard).unlink()
+    with pytest.raises(MisconfigurationException, match="shards that do not exist"):
+        _load(path, torch.float32)
+    (path / "model.safetensors.index.json").unlink()
+    with pytest.raises(MisconfigurationException, match="has neither"):
+        _load(path, torch.float32)
+    with pytest.raises(MisconfigurationException, match=r"no config\.json"):
+        _load(tmp_path, torch.float32)
+
+
+def test_truncated_shard(saved: dict[str, Path], tmp_path: Path) -> None:
+    path = _corrupt(saved["llama-bf16"], tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        _load(path, torch.float32)
+
+
+def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unexpected_and_missing_tensors(saved: dict[str, Path], tmp_path: Path) -> None:
+    path = _corrupt(saved["llama-bf16"], tmp_path)
+    _rewrite(path, lambda t: t.update({"model.layers.2.mlp.extra_proj.weight": torch.zeros(4, 4)}))
+    with pytest.raises(ValueError, match=r"config does not explain: model\.layers\.2\.mlp\.extra_proj\.weight"):
+        _load(path, torch.float32)
+    _rewrite(
+        path, lambda t: [t.pop("model.layers.2.mlp.extra_proj.weight"), t.pop("model.layers.3.self_attn.o_proj.weight")]
+    )
+    with pytest.raises(ValueError, match=r"lacks decoder-layer tensors: model\.layers\.3\.self_attn\.o_proj\.weight"):
+        _load(path, torch.float32)
+
+
+def test_unsupported_dtype(saved: dict[str, Path], tmp_path: Path) -> None:
+    path = _corrupt(saved["llama-bf16"], tmp_path)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    _rewrite(path, lambda t: t.update({key: t[key].to(torch.int8)}))
+    with pytest.raises(ValueError, match=rf"`{key}` is I8"):
+        _load(path, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+        BitsAndBytesConfig(load_in_8bit=True),
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16),
+    ],
+)
+def test_unsupported_quantization_settings(saved: dict[str, Path], config: BitsAndBytesConfig) -> None:
+    with pytest.raises(MisconfigurationException, match="only bitsandbytes 4-bit NF4"):
+        load_blockwise(saved["llama-bf16"], device="cpu", quantization_config=config, progress=False)
+
+
+def test_saved_8bit_config_refused(saved: dict[str, Path], tmp_path: Path) -> None:
+    path = _corrupt(saved["llama-bf16"], tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MisconfigurationException, match="load_in_8bit=True"):
+        _load(path, torch.float32)
+
+
+def test_not_enough_host_ram(saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused from config.json alone, before any shard is opened."""
+    monkeypatch.setattr(
+        lightning_blockwise.arena, "available_host_memory", lambda: lightning_blockwise.arena.HOST_RAM_RESERVE
+    )
+    monkeypatch.setattr("lightning_blockwise.loader.safe_open", _refuse)
+    with pytest.raises(
+        MisconfigurationException, match=r"host arena \(predicted from config\.json\), but only 2\.15 GB"
+    ):
+        _load(saved["llama-bf16"], torch.float32)
+
+
+_needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bf16 Llama-3.2-1B-shape checkpoint (1.2B parameters, random init)."""
+    path = tmp_path_factory.mktemp("loader_gpu")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    )
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="1GB")
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+@pytest.mark.gpu
+@_needs_gpu
+def test_gpu_bytes_and_load_peak(gpu_checkpoint: Path) -> None:
+    """Quantized on the GPU: the same bytes as `from_pretrained(device_map="cuda:0")`, a fraction of its VRAM peak."""
+    torch.cuda.reset_peak_memory_stats()
+    expected = AutoModelForCausalLM.from_pretrained(
+        gpu_checkpoint, quantization_config=nf4_config(torch.bfloat16), device_map="cuda:0", dtype=torch.bfloat16
+    ).train()
+    standard_peak = torch.cuda.max_memory_allocated()
+    expected_host = {name: t.cpu() for name, t in _frozen_4bit(expected).items()}
+    del expected
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    actual = load_blockwise(gpu_checkpoint, compute_dtype=torch.bfloat16, progress=False)
+    loader_peak = torch.cuda.max_memory_allocated()
+    found = _frozen_4bit(actual)
+    assert found.keys() == expected_host.keys()
+    for name, tensor in expected_host.items():
+        assert found[name].device.type == "cpu" and torch.equal(tensor, found[name]), name
+        assert _digest(tensor) == _digest(found[name]), name
+    assert vars(actual)[_HOST_COPY_ATTR].arena.pinned
+    # One weight (bf16 plus its quantized copy) at a time: 8192 x 2048 bf16 is 34 MB.
+    assert loader_peak < 256 * 1024**2 < standard_peak, (loader_peak, standard_peak)
+
+
+@pytest.mark.gpu
+@_needs_gpu
+def test_gpu_training_equals_standard_path(gpu_checkpoint: Path) -> None:
+    """Two optimizer steps on the GPU from either load are `torch.equal`.
+
+    Deterministic algorithms, as in tests/gpu: run with `CUBLAS_WORKSPACE_CONFIG=:4096:8`.
+    """
+    torch.use_deterministic_algorithms(True)
+    wrap = _lora("llama")
+    kwargs = dict(accelerator="gpu", precision="bf16-mixed", max_steps=2, batches=padded_batches(4, seq=64))
+    control = fit(
+        CausalLMModule(
+            lambda: wrap(
+                AutoModelForCausalLM.from_pretrained(
+                    gpu_checkpoint, quantization_config=nf4_config(torch.bfloat16), device_map="cuda:0"
+                ).train()
+            )
+        ),
+        BlockwiseStrategy(block_size=2),
+        **kwargs,
+    )
+    strategy = BlockwiseStrategy(block_size=2)
+    loaded = fit(
+        CausalLMModule(lambda: wrap(load_blockwise(gpu_checkpoint, compute_dtype=torch.bfloat16, block_size=2))),
+        strategy,
+        **kwargs,
+    )
+    assert_equal_runs(control, loaded)
