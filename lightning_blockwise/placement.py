@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from bitsandbytes.nn import Linear4bit, Params4bit
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_blockwise.architectures import DecoderStack, adapter_parameters
@@ -58,6 +59,12 @@ def host_copy(stack: DecoderStack, plan: BlockPlan, pin: bool) -> HostCopy:
     if existing is not None and existing.layer_ranges == ranges and existing.is_bound():
         if not pin or existing.arena.pinned:
             return existing
+    if existing is not None:
+        rank_zero_warn(
+            "BlockwiseStrategy is repacking the model's host copy (another block_size, or the model was moved since"
+            " it was packed): host RAM holds the old and the new arena until the repack ends. Pass the same"
+            " `block_size` to `load_blockwise` and the strategy to avoid it."
+        )
     layouts = tuple(layout_block([stack.layers[i] for i in layers], first_index=layers[0]) for layers in ranges)
     arena = HostArena([layout.nbytes for layout in layouts], pin=pin)
     for layout, slab in zip(layouts, arena.slabs, strict=True):
