@@ -7,6 +7,7 @@ while weights move one block of ``block_size`` consecutive layers at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -71,6 +72,26 @@ class StepShape:
     vocab_size: int
     num_layers: int
     activation_bytes: int = 2
+
+    @classmethod
+    def for_config(cls, config: Any, tokens: int, num_layers: int, activation_bytes: int = 2) -> StepShape:
+        """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
+
+        Args:
+            config: The model's ``PretrainedConfig``.
+            tokens: Tokens per micro-batch.
+            num_layers: Decoder layers.
+            activation_bytes: Bytes per activation element (the LM head's element size).
+        """
+        config = getattr(config, "text_config", None) or config
+        return cls(
+            tokens=tokens,
+            hidden_size=config.hidden_size,
+            intermediate_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
+            vocab_size=config.vocab_size,
+            num_layers=num_layers,
+            activation_bytes=activation_bytes,
+        )
 
     def activation_peak(self) -> int:
         """Predicted activation bytes at the step's peak.

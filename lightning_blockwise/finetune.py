@@ -1,0 +1,175 @@
+"""``CausalLMFineTune``: LoRA on a local Hugging Face checkpoint loaded as NF4, the module the ``configs/`` YAMLs train.
+
+Example::
+
+    lightning-blockwise fit --config configs/qwen2.5-7b.yaml
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import Tensor
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.demo import warmup_cosine
+from lightning_blockwise.strategy import BlockwiseStrategy
+
+
+class CausalLMFineTune(pl.LightningModule):
+    """Train LoRA adapters on a frozen local causal-LM checkpoint loaded as bitsandbytes NF4 with double quantization.
+
+    The model is loaded in :meth:`configure_model`, straight onto the Trainer's device.
+    Lightning checkpoints hold only the trainable (adapter) parameters and load back
+    non-strictly over a freshly loaded base; at the end of fitting the adapter is exported
+    as a PEFT directory (``PeftModel.from_pretrained(base, adapter_dir)`` loads it).
+
+    Args:
+        checkpoint: A local checkpoint directory (``config.json`` and weights); never downloaded.
+        target_modules: Names of the decoder layers' linears that get adapters (``q_proj``, ...); ``None``:
+            every linear of the decoder layers (fused ones such as Phi-3's ``qkv_proj`` included). Linears
+            outside the decoder layers (a vision tower) never get adapters.
+        lora_r: LoRA rank.
+        lora_alpha: LoRA scaling numerator (updates are scaled by ``lora_alpha / lora_r``).
+        lora_dropout: Dropout on the adapters' input.
+        use_dora: DoRA instead of LoRA. Refused under ``BlockwiseStrategy`` until DoRA has passed its parity tests.
+        compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Optimizer steps of linear warmup before the cosine decay.
+        min_lr_ratio: Final learning rate as a fraction of the peak.
+        adapter_dir: Where to export the adapter at the end of fitting; ``None``: ``<log_dir>/adapter``.
+
+    Example::
+
+        module = CausalLMFineTune("/models/Qwen2.5-7B", lora_r=16)
+        Trainer(strategy="blockwise", precision="bf16-mixed", max_steps=1000).fit(module, datamodule=data)
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        target_modules: list[str] | None = None,
+        lora_r: int = 16,
+        lora_alpha: int = 32,
+        lora_dropout: float = 0.05,
+        use_dora: bool = False,
+        compute_dtype: str = "bfloat16",
+        learning_rate: float = 2e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        adapter_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: PeftModel | None = None
+        # Checkpoints hold only the adapters (`on_save_checkpoint`); the frozen base comes from `checkpoint`.
+        self.strict_loading = False
+
+    def configure_model(self) -> None:
+        """Load the NF4 base on the Trainer's device and add the adapters (once)."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        dtype = getattr(torch, hp.compute_dtype)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        base = AutoModelForCausalLM.from_pretrained(
+            hp.checkpoint, quantization_config=quantization, device_map={"": device}, dtype=dtype, local_files_only=True
+        )
+        lora = LoraConfig(
+            r=hp.lora_r,
+            lora_alpha=hp.lora_alpha,
+            lora_dropout=hp.lora_dropout,
+            target_modules=_decoder_linears(base, hp.target_modules),
+            use_dora=hp.use_dora,
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base, lora)
+        # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
+        # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in strategy.py).
+        self.model.train()
+
+    def setup(self, stage: str) -> None:
+        """Refuse DoRA under the blockwise strategy before anything loads.
+
+        Raises:
+            MisconfigurationException: If ``use_dora`` is set and the strategy is ``BlockwiseStrategy``.
+        """
+        if self.hparams.use_dora and isinstance(self.trainer.strategy, BlockwiseStrategy):
+            raise MisconfigurationException(
+                "CausalLMFineTune(use_dora=True) under `BlockwiseStrategy`: DoRA has not passed the blockwise parity"
+                " tests yet, so its training is not known to be identical to resident training. Use LoRA"
+                " (`use_dora: false`), or train DoRA with `strategy: auto`."
+            )
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The causal-LM loss of the batch (labels -100 where nothing is learned)."""
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The validation loss, averaged over the epoch."""
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        """AdamW on the adapters, linear warmup then cosine decay over the run's optimizer steps."""
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        scheduler = warmup_cosine(
+            optimizer, hp.warmup_steps, int(self.trainer.estimated_stepping_batches), hp.min_lr_ratio
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only the trainable parameters: the frozen base is the checkpoint directory's, gigabytes not to copy."""
+        trainable = {name for name, param in self.named_parameters() if param.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+
+    def on_train_end(self) -> None:
+        """Export the adapter as a PEFT directory."""
+        if not self.trainer.is_global_zero:
+            return
+        log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
+        adapter_dir = Path(self.hparams.adapter_dir) if self.hparams.adapter_dir else log_dir / "adapter"
+        # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
+        self.model.save_pretrained(adapter_dir, save_embedding_layers=False)
+        rank_zero_info(f"CausalLMFineTune: adapter saved to {adapter_dir}")
+
+
+def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:
+    """A PEFT ``target_modules`` pattern for the linears named ``names`` (default: all) inside the decoder layers.
+
+    PEFT's ``"all-linear"`` would also put adapters on a multimodal model's vision tower, whose
+    ``q_proj`` and friends share the decoder's names; anchoring the pattern at the decoder's
+    ``layers`` keeps the adapters where ``lightning-blockwise plan`` counts them.
+    """
+    layers = find_decoder_stack(model, allow_unvalidated=True).layers
+    prefix = next(name for name, module in model.named_modules() if module is layers)
+    leaves = names or sorted(
+        {name.rsplit(".", 1)[-1] for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)}
+    )
+    # PEFT matches a string with `re.fullmatch` against each module's qualified name.
+    return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, leaves))})"
+
+
+__all__ = ["CausalLMFineTune"]

@@ -1,0 +1,163 @@
+"""`lightning-blockwise plan` and the analytic sizes behind it (lightning_blockwise/sizing.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from bitsandbytes.nn import Params4bit
+
+from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
+from lightning_blockwise.cli import main, plan_report
+from lightning_blockwise.host import layout_block
+from lightning_blockwise.plan import StepShape
+from lightning_blockwise.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
+from tests.models import CONFIGS, TARGETS, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The benchmark's shapes (benchmarks/step_benchmark.py) and their measured blockwise:1:2 peaks (RESULTS.md).
+QWEN25 = {
+    "7b": (dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4), 3.11e9),
+    "32b": (dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                 num_key_value_heads=8), 5.75e9),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2", "phi3"])
+def test_sizes_equal_the_layouts_of_a_loaded_nf4_model(checkpoints: dict[str, Path], model_type: str) -> None:
+    model = build_model(model_type, checkpoints[model_type], quantized=True)
+    stack = find_decoder_stack(model)
+    sizes = model_sizes(CONFIGS[model_type](), dtype=torch.float32, lora_rank=4, targets=TARGETS.get(model_type))
+    for block_size in (1, 2, 3):
+        layouts = [
+            layout_block(stack.layers[start : start + block_size], first_index=start)
+            for start in range(0, len(stack.layers), block_size)
+        ]
+        assert sizes.block_bytes(block_size) == [layout.nbytes for layout in layouts]
+    adapters = [p for layer in stack.layers for p in adapter_parameters(layer).values()]
+    assert sizes.trainable_bytes == sum(p.numel() * p.element_size() for p in adapters)
+    assert sizes.device_bytes == _frozen_device_bytes(stack)
+
+
+def _frozen_device_bytes(stack: object) -> int:
+    """What the strategy keeps on the device besides adapters and layers, counted on the loaded model."""
+    model = stack.model
+    in_layers = {id(t) for layer in stack.layers for t in [*layer.parameters(), *layer.buffers()]}
+    embedding = model.get_input_embeddings()
+    tied = embedding.weight is model.get_output_embeddings().weight
+    skip = in_layers | (set() if tied else {id(t) for t in [*embedding.parameters(), *embedding.buffers()]})
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in [*model.parameters(), *model.buffers()]
+        if id(t) not in skip and not t.requires_grad
+    }
+    codes = sum(
+        p.quant_state.code.nbytes + p.quant_state.state2.code.nbytes
+        for p in model.parameters()
+        if isinstance(p, Params4bit)
+    )
+    return sum(storages.values()) + codes
+
+
+def _tiny_llama() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def test_nf4_bytes_by_hand() -> None:
+    # 64 x 64 weight: 2048 packed bytes, 64 uint8 absmax, fp32 offset, one fp32 nested absmax.
+    assert nf4_tensor_bytes(64 * 64) == [2048, 64, 4, 4]
+    # 300 blocks of 64 need two nested absmax; without double quant the absmax are fp32.
+    assert nf4_tensor_bytes(300 * 64) == [9600, 300, 4, 8]
+    assert nf4_tensor_bytes(300 * 64, double_quant=False) == [9600, 1200]
+
+
+def test_small_config_by_hand() -> None:
+    sizes = model_sizes(_tiny_llama(), dtype=torch.float32, lora_rank=4)
+    # Per layer, each tensor starts 256-aligned: a linear takes its packed bytes rounded up plus 3 x 256
+    # (absmax, offset, nested absmax); q and o 32x32 (512 packed), k and v 32x16 (256), gate/up/down
+    # 32x64 (1024); then two fp32 norms of 32, the last one unpadded.
+    layer = (512 + 768) * 2 + (256 + 768) * 2 + (1024 + 768) * 3 + 256 + 128
+    assert layer == 10368
+    assert sizes.block_bytes(1) == [layer] * 4
+    assert sizes.block_bytes(2) == [10496 + layer] * 2
+    assert sizes.host_bytes(1) == 4 * 10496
+    # LoRA r4 on all seven: r * (in + out) fp32 elements each.
+    assert sizes.trainable_bytes == 4 * 4 * 4 * (64 * 2 + 48 * 2 + 96 * 3)
+    # LM head 96x32 fp32, final norm, two rotary tables of 4 fp32, code tables of 28 linears (16 + 256 fp32).
+    assert sizes.device_bytes == 96 * 32 * 4 + 32 * 4 + 2 * 4 * 4 + 28 * (16 + 256) * 4
+    assert sizes.host_embedding_bytes == 96 * 32 * 4
+
+    plan = sizes.residency(tokens=12, block_size=1, prefetch_depth=2)
+    activation = StepShape(12, 32, 64, 96, 4, activation_bytes=4).activation_peak()
+    fixed = sizes.device_bytes + sizes.trainable_bytes
+    assert plan.predicted_peak == fixed + 3 * sizes.trainable_bytes + activation + 3 * layer
+
+
+@pytest.mark.parametrize("shape", ["7b", "32b"])
+def test_predicted_peak_within_10_percent_of_measured(shape: str) -> None:
+    kwargs, measured = QWEN25[shape]
+    config = transformers.Qwen2Config(vocab_size=152064, tie_word_embeddings=False, **kwargs)
+    sizes = model_sizes(config, dtype=torch.bfloat16, lora_rank=16)
+    predicted = sizes.residency(tokens=512, block_size=1, prefetch_depth=2).predicted_peak
+    assert abs(predicted - measured) / measured < 0.10, f"{shape}: predicted {predicted / 1e9:.3f} GB"
+    # What the strategy itself logged for these runs (RESULTS.md): 3.35 GB and 6.28 GB.
+    assert round(predicted / 1e9, 2) == {"7b": 3.35, "32b": 6.28}[shape]
+
+
+def test_recommendation_for_a_card() -> None:
+    sizes = model_sizes(_tiny_llama(), dtype=torch.float32)
+    advice = recommend(sizes, gpu_memory=24 * 2**30, tokens=512)
+    assert advice.plan is not None and advice.budget <= 0.85 * 23 * 2**30
+    # A tiny model fits resident whole: block_size 1, nothing streams.
+    assert advice.block_size == 1 and len(advice.plan.resident) == 4 and advice.plan.predicted_peak <= advice.budget
+    assert recommend(sizes, gpu_memory=2**30 + 1, tokens=512).plan is None
+
+
+def test_plan_from_config_json_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _tiny_llama().save_pretrained(tmp_path)
+    args = ["--seq-len", "12", "--lora-rank", "4", "--dtype", "float32", "--gpu-memory", "8GiB", "--json"]
+    main(["plan", str(tmp_path / "config.json"), *args])
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_type"] == "llama" and report["num_layers"] == 4
+    assert report["block_bytes"] == [10368] * 4 and report["host_arena_bytes"] == 4 * 10496
+    assert report["recommendation"]["fits"] and report["recommendation"]["block_size"] == 1
+    assert report == plan_report(_load(tmp_path), tokens=12, lora_rank=4, dtype="float32", gpu_memory=8 * 2**30)
+
+
+def _load(path: Path) -> transformers.PretrainedConfig:
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def test_plan_table_and_budget_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _tiny_llama().save_pretrained(tmp_path)
+    main(["plan", str(tmp_path), "--block-size", "2", "--vram-budget", "1GiB"])
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and "2 of 2 layers: 2 x 0.0 MB" in out and "2 blocks resident" in out
+    with pytest.raises(SystemExit, match=r"below the .* GiB this run needs"):
+        main(["plan", str(tmp_path), "--vram-budget", "1KiB"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["plan", str(tmp_path / "missing")])
+
+
+def test_plan_help_through_the_console_entry() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_blockwise", "plan", "--help"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "--gpu-memory" in result.stdout and "--seq-len" in result.stdout
+
+
+def test_sizes_are_a_dataclass_of_the_config() -> None:
+    sizes = model_sizes(_tiny_llama(), dtype=torch.float32, lora_rank=0)
+    assert isinstance(sizes, ModelSizes) and sizes.trainable_bytes == 0 and sizes.num_layers == 4
