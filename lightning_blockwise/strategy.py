@@ -198,14 +198,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     def _step_shape(self) -> StepShape:
         assert self._stack is not None
-        config = self._stack.model.config
-        config = getattr(config, "text_config", None) or config
         head = self._stack.model.get_output_embeddings()
-        return StepShape(
+        return StepShape.for_config(
+            self._stack.model.config,
             tokens=self.budget_tokens,
-            hidden_size=config.hidden_size,
-            intermediate_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
-            vocab_size=config.vocab_size,
             num_layers=len(self._stack.layers),
             activation_bytes=head.weight.element_size() if head is not None else 2,
         )
