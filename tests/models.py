@@ -36,6 +36,30 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "phi3": lambda: transformers.Phi3Config(**_COMMON, **_ATTN, resid_pdrop=0.1, embd_pdrop=0.0),
 }
 
+#: Real shapes of >= 1B models (Qwen2.5-1.5B, Llama-3.2-1B), random init.
+GPU_SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    ),
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+}
+
+
 #: LoRA targets per architecture: every projection, fused ones for Phi-3.
 TARGETS: dict[str, list[str]] = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],

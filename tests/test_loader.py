@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from bitsandbytes.nn import Linear4bit
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import LoraConfig, get_peft_model
@@ -21,7 +20,16 @@ import lightning_blockwise.arena
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.loader import load_blockwise, predict_block_bytes
 from lightning_blockwise.placement import _HOST_COPY_ATTR
-from tests.models import CONFIGS, TARGETS, CausalLMModule, assert_equal_runs, fit, nf4_config, padded_batches
+from tests.models import (
+    CONFIGS,
+    GPU_SHAPES,
+    TARGETS,
+    CausalLMModule,
+    assert_equal_runs,
+    fit,
+    nf4_config,
+    padded_batches,
+)
 
 _DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -288,15 +296,7 @@ def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A bf16 Llama-3.2-1B-shape checkpoint (1.2B parameters, random init)."""
     path = tmp_path_factory.mktemp("loader_gpu")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    )
+    config = GPU_SHAPES["llama"]()
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, max_shard_size="1GB")

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.rng import RngSnapshot
 from tests.models import (
+    GPU_SHAPES,
     CausalLMModule,
     RunResult,
     assert_equal_runs,
@@ -41,36 +41,13 @@ SEQ = 512
 STEPS = 20
 ACCUMULATE = 4
 
-#: Real shapes of >= 1B models (Qwen2.5-1.5B, Llama-3.2-1B), random init.
-SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        attention_dropout=0.0,
-    ),
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-}
 
-
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+@pytest.fixture(scope="module", params=sorted(GPU_SHAPES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     path = tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(SHAPES[request.param](), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(GPU_SHAPES[request.param](), dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
     torch.cuda.empty_cache()
