@@ -38,6 +38,17 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def slab_offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each slab of ``sizes`` starts in an arena, then the arena's total size (one more entry).
+
+    Each slab starts aligned like the tensors inside it (see ``host.ALIGNMENT``).
+    """
+    offsets = [0]
+    for size in sizes:
+        offsets.append(-(-(offsets[-1] + size) // ALIGNMENT) * ALIGNMENT)
+    return offsets
+
+
 class HostArena:
     """Exact-size host memory for every streamed block, page-locked when CUDA is used.
 
@@ -54,10 +65,7 @@ class HostArena:
     """
 
     def __init__(self, sizes: Sequence[int], pin: bool) -> None:
-        # Each slab starts aligned like the tensors inside it (see `host.ALIGNMENT`).
-        offsets = [0]
-        for size in sizes:
-            offsets.append(-(-(offsets[-1] + size) // ALIGNMENT) * ALIGNMENT)
+        offsets = slab_offsets(sizes)
         self.nbytes = offsets[-1]
         self.bytes_needed = sum(sizes)
         available = available_host_memory()

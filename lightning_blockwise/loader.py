@@ -42,8 +42,10 @@ from transformers.integrations import replace_with_bnb_linear
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
 from lightning_blockwise import arena as arena_module
+from lightning_blockwise.arena import slab_offsets
 from lightning_blockwise.host import ALIGNMENT, bind, layout_block, pack
 from lightning_blockwise.placement import _HOST_COPY_ATTR, HostCopy
+from lightning_blockwise.sizing import nf4_tensor_bytes, slab_bytes
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +145,7 @@ def load_blockwise(
 
     ranges = tuple(range(s, min(s + block_size, len(layers))) for s in range(0, len(layers), block_size))
     sizes = [predict_block_bytes([layers[i] for i in r]) for r in ranges]
-    predicted = _arena_bytes(sizes)
+    predicted = slab_offsets(sizes)[-1]
     available = arena_module.available_host_memory()
     if predicted > available - arena_module.HOST_RAM_RESERVE:
         raise MisconfigurationException(
@@ -209,10 +211,7 @@ def predict_block_bytes(layers: Sequence[nn.Module], alignment: int = ALIGNMENT)
             meta device, or loaded).
         alignment: The layout's alignment.
     """
-    end = 0
-    for size in (size for layer in layers for size in _tensor_sizes(layer)):
-        end = -(-end // alignment) * alignment + size
-    return end
+    return slab_bytes((size for layer in layers for size in _tensor_sizes(layer)), alignment)
 
 
 def _tensor_sizes(layer: nn.Module) -> Iterator[int]:
@@ -226,29 +225,12 @@ def _tensor_sizes(layer: nn.Module) -> Iterator[int]:
                 nested = [state.offset, state.state2.absmax] if state.nested else []
                 yield from (t.numel() * t.element_size() for t in (param, state.absmax, *nested))
             elif isinstance(param, Params4bit):
-                yield from _nf4_sizes(param.numel(), param.blocksize, param.compress_statistics)
+                yield from nf4_tensor_bytes(param.numel(), param.compress_statistics, param.blocksize)
             else:
                 yield param.numel() * param.element_size()
         for buffer in module._buffers.values():
             if buffer is not None:
                 yield buffer.numel() * buffer.element_size()
-
-
-def _nf4_sizes(numel: int, blocksize: int, nested: bool) -> list[int]:
-    """Bytes of a 4-bit weight's packed data, absmax and, if ``nested``, offset and nested absmax, in layout order."""
-    blocks = -(-numel // blocksize)
-    if not nested:
-        return [-(-numel // 2), blocks * 4]
-    # `layout_block` order: packed weight, absmax, offset, state2.absmax (nested blocks of 256).
-    return [-(-numel // 2), blocks, 4, -(-blocks // 256) * 4]
-
-
-def _arena_bytes(sizes: Sequence[int]) -> int:
-    """What :class:`~lightning_blockwise.arena.HostArena` allocates for slabs of ``sizes``."""
-    end = 0
-    for size in sizes:
-        end = -(-(end + size) // ALIGNMENT) * ALIGNMENT
-    return end
 
 
 def _default_device() -> torch.device:

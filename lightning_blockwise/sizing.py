@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.arena import slab_offsets
 from lightning_blockwise.host import ALIGNMENT
 from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, plan_residency
 
@@ -43,18 +44,19 @@ _NESTED_CODE_BYTES = 256 * _FP32
 _ADAPTER_BYTES = _FP32
 
 
-def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> list[int]:
+def nf4_tensor_bytes(numel: int, double_quant: bool = True, blocksize: int = _NF4_BLOCKSIZE) -> list[int]:
     """The bytes of each tensor bitsandbytes stores for one NF4 weight of ``numel`` elements, in slab order.
 
     Args:
         numel: Elements of the weight (``out_features * in_features``).
         double_quant: Whether the absmax are quantized again (``bnb_4bit_use_double_quant``).
+        blocksize: Elements per absmax (bitsandbytes' default 64).
 
     Returns:
         ``[packed, absmax, offset, nested absmax]`` with double quantization, else ``[packed, absmax]``
         (see NOTE [ NF4 bytes ]).
     """
-    blocks = -(-numel // _NF4_BLOCKSIZE)
+    blocks = -(-numel // blocksize)
     packed = -(-numel // 2)
     if not double_quant:
         return [packed, blocks * _FP32]
@@ -112,7 +114,7 @@ class ModelSizes:
 
     def host_bytes(self, block_size: int) -> int:
         """The pinned host arena for ``block_size``: every block's slab, each starting aligned (``arena.nbytes``)."""
-        return sum(-(-nbytes // ALIGNMENT) * ALIGNMENT for nbytes in self.block_bytes(block_size))
+        return slab_offsets(self.block_bytes(block_size))[-1]
 
     def residency(
         self, tokens: int, block_size: int = 1, prefetch_depth: int = 2, budget: int | None = None
