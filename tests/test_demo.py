@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 import sys
 from pathlib import Path
@@ -150,6 +151,11 @@ def test_demo_fit_lowers_the_loss_and_saves_a_loadable_adapter(tmp_path: Path) -
     assert train[-1] < train[0] - 1.0, train
     assert val[-1] < val[0], val
     assert (log_dir / "config.yaml").is_file()
+    # The demo's callbacks ran: the parity check passed on every layer, and the profiler wrote its summary.
+    assert _metric(rows, "parity/passed") == [1.0]
+    assert _metric(rows, "parity/checked_layers") == [float(cli.model.hparams.num_hidden_layers)]
+    summary = json.loads((log_dir / "blockwise_profile.json").read_text())
+    assert summary["h2d_bytes_per_step"] > 0 and summary["step_time_s"] > 0
 
     # The adapter loads back onto a freshly built base with every weight equal.
     adapter_dir = log_dir / "adapter"
