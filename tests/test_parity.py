@@ -11,10 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from peft import LoraConfig, get_peft_model
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy
-from tests.models import CONFIGS, CausalLMModule, assert_equal_runs, build_model, fit
+from lightning_blockwise.rng import RngSnapshot
+from tests.models import CONFIGS, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
 ARCHS = sorted(CONFIGS)
 
@@ -66,3 +69,30 @@ def test_parity_with_hf_gradient_checkpointing_enabled() -> None:
     resident = fit(CausalLMModule(build), "auto")
     blockwise = fit(CausalLMModule(build), "blockwise")
     assert_equal_runs(resident, blockwise)
+
+
+@pytest.mark.parametrize(("model_type", "quantized"), [("llama", True), ("gemma2", False)], ids=["llama-nf4", "gemma2"])
+def test_dora_parity_and_control(
+    model_type: str, quantized: bool, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DoRA's magnitude vectors are adapters too; its weight norm reads the streamed base inside the residency."""
+
+    def build() -> object:
+        torch.manual_seed(0)
+        model = build_model(
+            model_type, checkpoint=checkpoints[model_type] if quantized else None, quantized=quantized, peft=False
+        )
+        lora = LoraConfig(
+            r=4,
+            lora_dropout=0.1,
+            use_dora=True,
+            init_lora_weights=False,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        )
+        return get_peft_model(model, lora)
+
+    resident = fit(CausalLMModule(build), "auto")
+    assert any("lora_magnitude_vector" in name for name in resident.grads[0])
+    assert_equal_runs(resident, fit(CausalLMModule(build), "blockwise"))
+    monkeypatch.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
+    assert runs_differ(resident, fit(CausalLMModule(build), "blockwise"))
