@@ -129,11 +129,6 @@ class BlockStreamer(Residency):
         self.stats = TransferStats()
         self.observer = StreamObserver()
 
-    @property
-    def device_bytes(self) -> int:
-        """Bytes of device memory the slots and the resident blocks take."""
-        return sum(slot.numel() for slot in self.slots) + sum(s.numel() for s in self._resident_slabs.values())
-
     def reset_stats(self) -> TransferStats:
         """Return the transfer counters and start new ones."""
         stats, self.stats = self.stats, TransferStats()

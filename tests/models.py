@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,6 @@ class RunResult:
     grads: list[dict[str, Tensor]]
     weights: dict[str, Tensor]
     optimizer: dict[str, dict[str, Tensor]]
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
