@@ -142,6 +142,7 @@ def load_blockwise(
     layers = _decoder_layers(model)
     prefixes = _layer_prefixes(model, layers)
     _check_no_quantized_outside(model, layers)
+    _cast_unquantized(layers, compute_dtype)
 
     ranges = tuple(range(s, min(s + block_size, len(layers))) for s in range(0, len(layers), block_size))
     sizes = [predict_block_bytes([layers[i] for i in r]) for r in ranges]
@@ -441,6 +442,20 @@ def _load_rest(model: PreTrainedModel, keys: dict[str, Any], prefixes: list[str]
             f"load_blockwise: the checkpoint lacks {', '.join(leftover[:8])}; it is incomplete or does not match"
             " config.json."
         )
+
+
+def _cast_unquantized(layers: nn.ModuleList, dtype: torch.dtype) -> None:
+    """Give the meta layers' floating tensors other than 4-bit weights the dtype ``_load_layer`` loads them in.
+
+    The arena is sized from the meta model before anything is read, so it must have the loaded
+    dtypes: ``replace_with_bnb_linear`` creates each ``Linear4bit`` bias in float32, while the
+    loaded bias is cast to ``dtype`` as ``from_pretrained`` does (a Qwen2.5-14B layer's three
+    biases would be predicted 14,336 bytes too large).
+    """
+    for owner, attr, is_param in list(_named_tensors(layers)):
+        tensor = getattr(owner, attr)
+        if not isinstance(tensor, Params4bit) and tensor.is_floating_point() and tensor.dtype != dtype:
+            _set(owner, attr, is_param, tensor.to(dtype))
 
 
 def _load_layer(
