@@ -350,7 +350,8 @@ def test_gpu_bytes_and_load_peak(gpu_checkpoint: Path) -> None:
     actual = load_blockwise(gpu_checkpoint, compute_dtype=torch.bfloat16, progress=False)
     loader_peak = torch.cuda.max_memory_allocated() - before
     print(
-        f"[loader] Llama-3.2-1B shape: load peak {loader_peak / 2**20:.0f} MiB, standard {standard_peak / 2**20:.0f} MiB"
+        f"[loader] Llama-3.2-1B shape: load peak {loader_peak / 2**20:.0f} MiB,"
+        f" standard {standard_peak / 2**20:.0f} MiB"
     )
     found = _frozen_4bit(actual)
     assert found.keys() == expected_host.keys()
