@@ -9,8 +9,16 @@ number, synchronized only at both ends (a per-step synchronize would hide the la
 profiler relies on), and the median interval between batch starts, which a few slow steps do not
 move. The target is an overhead below 2% at `--log-every 50`.
 
+Separate fits differ by more than the profiler costs (3-12% between processes on the H100, and a
+second fit in a process runs slower than the first), so `--interleave W` compares inside one fit
+instead: the same profiler is driven for alternate windows of W steps and detached (a no-op
+stream observer, no hooks) for the others, and the step intervals of the two kinds of window are
+compared. Both kinds share the fit's drift; the profiler's logged steps keep their frequency
+(every `--log-every` steps, half of them in profiled windows, which are half the steps).
+
     python -m benchmarks.profiler_overhead --shape 7b [--steps 100] [--warmup 5] [--log-every 50] [--repeats 2]
         [--profile-dir DIR]
+    python -m benchmarks.profiler_overhead --shape 7b --interleave 10 --steps 200 --repeats 2
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule, build_nf4
 from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
+from lightning_blockwise.streamer import StreamObserver
 
 
 class Throughput(pl.Callback):
@@ -56,6 +65,83 @@ class Throughput(pl.Callback):
     def median_interval(self) -> float:
         """Median time between consecutive batch starts: robust to a few slow steps, no synchronize."""
         return statistics.median(b - a for a, b in zip(self.starts, self.starts[1:], strict=False))
+
+
+class Interleaved(pl.Callback):
+    """Drives ``profiler`` in alternate windows of ``window`` steps after ``warmup``; records every step's interval.
+
+    Off windows detach it completely: its hooks are not called and the streamer gets a no-op
+    observer, so they cost what a run without the profiler costs.
+    """
+
+    def __init__(self, profiler: BlockwiseProfiler, window: int, warmup: int, profiled_first: bool) -> None:
+        self.profiler, self.window, self.warmup, self.profiled_first = profiler, window, warmup, profiled_first
+        self.starts: list[float] = []
+        self.profiled: list[bool] = []
+
+    def _profiled(self, idx: int) -> bool:
+        return idx >= self.warmup and (((idx - self.warmup) // self.window) % 2 == 0) == self.profiled_first
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.profiler.on_train_start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.starts.append(time.perf_counter())
+        self.profiled.append(self._profiled(idx))
+        if self.profiled[-1]:
+            self.profiler.on_train_batch_start(trainer, pl_module, batch, idx)
+        else:
+            trainer.strategy.streamer.observer = StreamObserver()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.profiled[-1]:
+            self.profiler.on_train_batch_end(trainer, pl_module, *args)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.starts.append(time.perf_counter())  # closes the last step's interval
+        self.profiler.on_train_end(trainer, pl_module)
+
+    def intervals(self, profiled: bool) -> list[float]:
+        """Intervals of the measured steps of one kind of window, the first step of each window left out."""
+        steps = range(self.warmup, len(self.profiled))
+        return [
+            self.starts[i + 1] - self.starts[i]
+            for i in steps
+            if self.profiled[i] == profiled and (i - self.warmup) % self.window != 0
+        ]
+
+
+def run_interleaved(model: nn.Module, args: argparse.Namespace, vocab: int, root: str, first: bool) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (1, args.seq), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids})
+    driver = Interleaved(BlockwiseProfiler(dirpath=root), args.interleave, args.warmup, profiled_first=first)
+    strategy = BlockwiseStrategy(block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq)
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.steps,
+        logger=CSVLogger(root, name="interleaved"), log_every_n_steps=args.log_every, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[driver],
+    )  # fmt: skip
+    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    torch.cuda.empty_cache()
+    on, off = driver.intervals(True), driver.intervals(False)
+    return {
+        "profiled_first": first,
+        "window": args.interleave,
+        "steps_on": len(on),
+        "steps_off": len(off),
+        "mean_on_s": statistics.fmean(on),
+        "mean_off_s": statistics.fmean(off),
+        "median_on_s": statistics.median(on),
+        "median_off_s": statistics.median(off),
+        "mean_overhead_pct": (statistics.fmean(on) / statistics.fmean(off) - 1) * 100,
+        "median_overhead_pct": (statistics.median(on) / statistics.median(off) - 1) * 100,
+        "logged_steps_profiled": driver.profiler.summary.get("batches"),
+    }
 
 
 def run_arm(model: nn.Module, profiled: bool, args: argparse.Namespace, vocab: int, root: str) -> dict[str, Any]:
@@ -104,6 +190,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=1)
     parser.add_argument("--prefetch-depth", type=int, default=2)
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="compare inside one fit: profiled in alternate windows of this many steps",
+    )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile-dir", default=None, help="where the profiled arm writes its JSON summary and PNG")
     args = parser.parse_args()
@@ -112,6 +204,28 @@ def main() -> None:
     config = SHAPES[args.shape]()
     model = get_peft_model(build_nf4(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
     rows = []
+    if args.interleave:
+        with tempfile.TemporaryDirectory() as root:
+            for repeat in range(args.repeats):
+                model.to(device)
+                row = run_interleaved(model, args, config.vocab_size, root, first=repeat % 2 == 1)
+                rows.append({"shape": args.shape, "repeat": repeat, **row})
+                print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.shape}, seq {args.seq}, block_size"
+              f" {args.block_size}, prefetch_depth {args.prefetch_depth}, log_every_n_steps {args.log_every},"
+              f" windows of {args.interleave} steps")  # fmt: skip
+        print(
+            "| fit | profiled first | steps on / off | mean on / off, s | median on / off, s | overhead mean | median |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['repeat']} | {r['profiled_first']} | {r['steps_on']} / {r['steps_off']} |"
+                  f" {r['mean_on_s']:.4f} / {r['mean_off_s']:.4f} | {r['median_on_s']:.4f} / {r['median_off_s']:.4f} |"
+                  f" {r['mean_overhead_pct']:+.2f}% | {r['median_overhead_pct']:+.2f}% |")  # fmt: skip
+        return
     with tempfile.TemporaryDirectory() as root:
         for repeat in range(args.repeats):
             order = (True, False) if args.profiled_first else (False, True)

@@ -52,33 +52,48 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def build_nf4(config: transformers.PretrainedConfig, device: torch.device) -> nn.Module:
-    """A random-init NF4 (double quant) model, quantized one linear at a time on ``device``."""
-    with torch.device("meta"):
+    """A random-init NF4 (double quant) model, quantized one linear at a time on ``device``.
+
+    Every ``nn.Linear`` but the LM head becomes a bitsandbytes NF4 ``Linear4bit``, as
+    ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` converts
+    them; the other parameters are random bf16 on ``device`` (norms at 1). The bf16 model never
+    exists whole: parameters start on the meta device, buffers (rotary frequencies, embedding
+    scales) are computed by the model's own constructor on the CPU and moved.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    for layer in model.model.layers:
-        for name, linear in list(layer.named_modules()):
-            if not isinstance(linear, nn.Linear):
-                continue
-            quantized = bnb.nn.Linear4bit(
-                linear.in_features, linear.out_features, bias=linear.bias is not None,
-                compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4", device="meta",
-            )  # fmt: skip
-            weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=torch.bfloat16) * 0.02
-            quantized.weight = bnb.nn.Params4bit(
-                weight, requires_grad=False, compress_statistics=True, quant_type="nf4", module=quantized
-            ).to(device)
-            if linear.bias is not None:
-                quantized.bias = nn.Parameter(torch.zeros_like(weight[:, 0]), requires_grad=False)
-            layer.set_submodule(name, quantized)
-            del weight
+    head = model.get_output_embeddings()
+    for name, linear in list(model.named_modules()):
+        if not isinstance(linear, nn.Linear) or linear is head:
+            continue
+        quantized = bnb.nn.Linear4bit(
+            linear.in_features, linear.out_features, bias=linear.bias is not None,
+            compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4", device="meta",
+        )  # fmt: skip
+        weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=torch.bfloat16) * 0.02
+        quantized.weight = bnb.nn.Params4bit(
+            weight, requires_grad=False, compress_statistics=True, quant_type="nf4", module=quantized
+        ).to(device)
+        if linear.bias is not None:
+            quantized.bias = nn.Parameter(torch.zeros_like(weight[:, 0]), requires_grad=False)
+        model.set_submodule(name, quantized)
+        del weight
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
                 fresh.fill_(1.0) if param.dim() == 1 else fresh.normal_(0, 0.02)
                 setattr(module, name, nn.Parameter(fresh, requires_grad=False))
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set)
+    if getattr(model.config, "tie_word_embeddings", False) or getattr(
+        model.config.get_text_config(), "tie_word_embeddings", False
+    ):
+        model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device != device]
+    assert not left, f"build_nf4 left tensors off {device}: {left[:5]}"
     model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
     return model.train()
 

@@ -77,9 +77,14 @@ def nf4_config(compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig
 
 
 def nf4_lora_builder(
-    path: Path, target_modules: list[str], r: int, lora_dropout: float = 0.05, device_map: str = "cuda:0"
+    path: Path,
+    target_modules: list[str],
+    r: int,
+    lora_dropout: float = 0.05,
+    device_map: str = "cuda:0",
+    use_dora: bool = False,
 ) -> Callable[[], nn.Module]:
-    """Build a PEFT-LoRA model over the checkpoint at ``path`` loaded as NF4 with bf16 compute (GPU tests)."""
+    """Build a PEFT-LoRA (or DoRA) model over the checkpoint at ``path`` loaded as NF4 with bf16 compute (GPU tests)."""
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -87,7 +92,9 @@ def nf4_lora_builder(
             path, quantization_config=nf4_config(torch.bfloat16), device_map=device_map
         )
         model.train()
-        lora = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=target_modules)
+        lora = LoraConfig(
+            r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=target_modules, use_dora=use_dora
+        )
         return get_peft_model(model, lora)
 
     return build

@@ -54,21 +54,21 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return request.param, path
 
 
-def _builder(path: Path) -> Callable[[], torch.nn.Module]:
+def _builder(path: Path, use_dora: bool = False) -> Callable[[], torch.nn.Module]:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return nf4_lora_builder(path, targets, r=16)
+    return nf4_lora_builder(path, targets, r=16, use_dora=use_dora)
 
 
-def _fit_gpu(path: Path, strategy: Any, deterministic: bool) -> RunResult:
-    module = CausalLMModule(_builder(path), lr=1e-4)
-    batches = padded_batches(STEPS * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
+def _fit_gpu(path: Path, strategy: Any, deterministic: bool, use_dora: bool = False, steps: int = STEPS) -> RunResult:
+    module = CausalLMModule(_builder(path, use_dora), lr=1e-4)
+    batches = padded_batches(steps * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
     result = fit(
         module,
         strategy,
         batches,
         accelerator="gpu",
         precision="bf16-mixed",
-        max_steps=STEPS,
+        max_steps=steps,
         accumulate_grad_batches=ACCUMULATE,
         deterministic=deterministic,
     )
@@ -89,6 +89,27 @@ def test_deterministic_parity_and_control(checkpoint: tuple[str, Path], monkeypa
 
     monkeypatch.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
     broken = _fit_gpu(path, "blockwise", deterministic=True)
+    assert runs_differ(resident, broken), "control: RNG restore off with dropout on must differ"
+
+
+def test_deterministic_dora_parity_and_control(checkpoint: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DoRA on NF4: its weight norm dequantizes the streamed base inside the residency window.
+
+    Fewer steps than LoRA's test (DoRA's norm makes every step slower); the GPU run in
+    benchmarks/RESULTS.md used the Llama shape: `-k "dora and llama"`.
+    """
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
+        pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
+    name, path = checkpoint
+    steps = 8
+    resident = _fit_gpu(path, "auto", deterministic=True, use_dora=True, steps=steps)
+    assert any("lora_magnitude_vector" in key for key in resident.grads[0])
+    blockwise = _fit_gpu(path, "blockwise", deterministic=True, use_dora=True, steps=steps)
+    assert_equal_runs(resident, blockwise)
+    print(f"[gpu parity] {name} DoRA: {len(resident.losses)} micro-batches, {steps} steps: torch.equal on all")
+
+    monkeypatch.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
+    broken = _fit_gpu(path, "blockwise", deterministic=True, use_dora=True, steps=steps)
     assert runs_differ(resident, broken), "control: RNG restore off with dropout on must differ"
 
 
