@@ -92,7 +92,7 @@ def build_nf4(config: transformers.PretrainedConfig, device: torch.device) -> nn
         model.config.get_text_config(), "tie_word_embeddings", False
     ):
         model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device != device]
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != device.type]
     assert not left, f"build_nf4 left tensors off {device}: {left[:5]}"
     model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
     return model.train()
