@@ -35,9 +35,10 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.data import DataLoader
 
-from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule, build_nf4
+from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.plan import parse_bytes
+from lightning_blockwise.random_init import random_nf4_model
 from lightning_blockwise.sizing import model_sizes, recommend
 
 #: The models of configs/, at their published shapes (Gemma 3 27B: its language model; the
@@ -128,7 +129,7 @@ def main() -> None:
         sizes = model_sizes(config, torch.bfloat16, lora_rank=16)
         advice = {card: recommend(sizes, parse_bytes(card), TOKENS) for card in args.cards}
         torch.manual_seed(0)
-        model = build_nf4(config, device)
+        model = random_nf4_model(config, device)
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
         model = get_peft_model(model, lora)
         # Streamed first with the block size most cards use, so that the host arena is packed once.

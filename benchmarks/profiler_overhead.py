@@ -1,6 +1,6 @@
 """What `BlockwiseProfiler` costs: the same blockwise fit with and without it, step times side by side.
 
-Builds a random-init NF4 model of a real shape (`build_nf4` from step_benchmark.py), LoRA r=16 on
+Builds a random-init NF4 model of a real shape (`random_nf4_model` from step_benchmark.py), LoRA r=16 on
 q,k,v,o,gate,up,down, and fits it with `BlockwiseStrategy` (bf16-mixed, batch 1, AdamW) in two arms
 that differ only in the profiler: both log to a CSVLogger every `--log-every` steps. Arms alternate
 (`off`, `on`, `off`, `on`, ...; `--profiled-first` swaps them) to spread drift. Two step times per
@@ -37,8 +37,9 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.data import DataLoader
 
-from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule, build_nf4
+from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
 from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
+from lightning_blockwise.random_init import random_nf4_model
 from lightning_blockwise.streamer import StreamObserver
 
 
@@ -202,7 +203,7 @@ def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     config = SHAPES[args.shape]()
-    model = get_peft_model(build_nf4(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    model = get_peft_model(random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
     rows = []
     if args.interleave:
         with tempfile.TemporaryDirectory() as root:

@@ -20,16 +20,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import bitsandbytes as bnb
 import lightning.pytorch as pl
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.random_init import random_nf4_model
 
 SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "7b": lambda: transformers.Qwen2Config(
@@ -49,53 +48,6 @@ SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 #: vram_budget=BUDGET), e.g. `blockwise:1:2:6GB`.
 DEFAULT_ARMS = ["resident", "resident_ckpt", "blockwise:1:2", "blockwise:2:2"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def build_nf4(config: transformers.PretrainedConfig, device: torch.device) -> nn.Module:
-    """A random-init NF4 (double quant) model, quantized one linear at a time on ``device``.
-
-    Every ``nn.Linear`` but the LM head becomes a bitsandbytes NF4 ``Linear4bit``, as
-    ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` converts
-    them; the other parameters are random bf16 on ``device`` (norms at 1). The bf16 model never
-    exists whole: parameters start on the meta device, buffers (rotary frequencies, embedding
-    scales) are computed by the model's own constructor on the CPU and moved.
-    """
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    head = model.get_output_embeddings()
-    for name, linear in list(model.named_modules()):
-        if not isinstance(linear, nn.Linear) or linear is head:
-            continue
-        quantized = bnb.nn.Linear4bit(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
-            compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4", device="meta",
-        )  # fmt: skip
-        weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=torch.bfloat16) * 0.02
-        quantized.weight = bnb.nn.Params4bit(
-            weight, requires_grad=False, compress_statistics=True, quant_type="nf4", module=quantized
-        ).to(device)
-        if linear.bias is not None:
-            quantized.bias = nn.Parameter(torch.zeros_like(weight[:, 0]), requires_grad=False)
-        model.set_submodule(name, quantized)
-        del weight
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
-                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
-                fresh.fill_(1.0) if param.dim() == 1 else fresh.normal_(0, 0.02)
-                setattr(module, name, nn.Parameter(fresh, requires_grad=False))
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            module.register_buffer(name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set)
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(
-        model.config.get_text_config(), "tie_word_embeddings", False
-    ):
-        model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != device.type]
-    assert not left, f"build_nf4 left tensors off {device}: {left[:5]}"
-    model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
-    return model.train()
 
 
 class BenchModule(pl.LightningModule):
@@ -198,7 +150,9 @@ def main() -> None:
     for shape in args.shapes:
         torch.manual_seed(0)
         config = SHAPES[shape]()
-        model = get_peft_model(build_nf4(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+        model = get_peft_model(
+            random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
+        )
         for arm in args.arms:
             model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
             result = run_arm(model, arm, args.steps, args.warmup, config.vocab_size, args.deterministic)

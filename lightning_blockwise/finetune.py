@@ -18,17 +18,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.demo import warmup_cosine
+from lightning_blockwise.loader import load_blockwise
+from lightning_blockwise.random_init import random_nf4_model
 from lightning_blockwise.strategy import BlockwiseStrategy
+
+_LOADERS = ("auto", "standard", "blockwise")
 
 
 class CausalLMFineTune(pl.LightningModule):
     """Train LoRA adapters on a frozen local causal-LM checkpoint loaded as bitsandbytes NF4 with double quantization.
 
-    The model is loaded in :meth:`configure_model`, straight onto the Trainer's device.
+    The model is loaded in :meth:`configure_model`. Under :class:`BlockwiseStrategy` the
+    decoder layers go straight into the host arena with
+    :func:`~lightning_blockwise.loader.load_blockwise` (quantized on the GPU one tensor at a
+    time, in the strategy's ``block_size``), so the whole base never sits on the GPU; under any
+    other strategy ``from_pretrained`` loads it onto the Trainer's device.
     Lightning checkpoints hold only the trainable (adapter) parameters and load back
     non-strictly over a freshly loaded base; at the end of fitting the adapter is exported
     as a PEFT directory (``PeftModel.from_pretrained(base, adapter_dir)`` loads it).
@@ -41,13 +49,20 @@ class CausalLMFineTune(pl.LightningModule):
         lora_r: LoRA rank.
         lora_alpha: LoRA scaling numerator (updates are scaled by ``lora_alpha / lora_r``).
         lora_dropout: Dropout on the adapters' input.
-        use_dora: DoRA instead of LoRA. Refused under ``BlockwiseStrategy`` until DoRA has passed its parity tests.
+        use_dora: DoRA instead of LoRA (its magnitude vectors are adapters too; blockwise DoRA passes the same
+            parity tests as LoRA).
         compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``).
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: Optimizer steps of linear warmup before the cosine decay.
         min_lr_ratio: Final learning rate as a fraction of the peak.
         adapter_dir: Where to export the adapter at the end of fitting; ``None``: ``<log_dir>/adapter``.
+        loader: ``"auto"``: ``load_blockwise`` under ``BlockwiseStrategy``, ``from_pretrained`` otherwise;
+            ``"standard"``: always ``from_pretrained`` (e.g. a multimodal checkpoint whose vision tower is
+            quantized too, which ``load_blockwise`` refuses); ``"blockwise"``: always ``load_blockwise``.
+        random_init: Build the model from ``checkpoint``'s ``config.json`` with random weights instead of
+            loading them (a real shape without its weights: smoke runs and memory checks); see
+            :func:`~lightning_blockwise.random_init.random_nf4_model`. Seeded by ``seed_everything``.
 
     Example::
 
@@ -69,29 +84,57 @@ class CausalLMFineTune(pl.LightningModule):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         adapter_dir: str | None = None,
+        loader: str = "auto",
+        random_init: bool = False,
     ) -> None:
         super().__init__()
+        if loader not in _LOADERS:
+            raise MisconfigurationException(
+                f"CausalLMFineTune(loader={loader!r}): choose one of {', '.join(map(repr, _LOADERS))}."
+            )
         self.save_hyperparameters()
         self.model: PeftModel | None = None
         # Checkpoints hold only the adapters (`on_save_checkpoint`); the frozen base comes from `checkpoint`.
         self.strict_loading = False
 
     def configure_model(self) -> None:
-        """Load the NF4 base on the Trainer's device and add the adapters (once)."""
+        """Load (or build) the NF4 base and add the adapters (once).
+
+        Raises:
+            MisconfigurationException: If ``loader="blockwise"`` is asked for under another strategy.
+        """
         if self.model is not None:
             return
         hp = self.hparams
-        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
         dtype = getattr(torch, hp.compute_dtype)
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
-        base = AutoModelForCausalLM.from_pretrained(
-            hp.checkpoint, quantization_config=quantization, device_map={"": device}, dtype=dtype, local_files_only=True
-        )
+        blockwise = isinstance(strategy, BlockwiseStrategy)
+        if hp.loader == "blockwise" and not blockwise:
+            raise MisconfigurationException(
+                "CausalLMFineTune(loader='blockwise') packs the decoder layers into host memory, which only"
+                " `BlockwiseStrategy` trains from. Use `strategy: blockwise`, or `loader: auto`."
+            )
+        if hp.random_init:
+            config = AutoConfig.from_pretrained(hp.checkpoint, local_files_only=True)
+            base = random_nf4_model(config, device, compute_dtype=dtype)
+        elif blockwise and hp.loader != "standard":
+            assert isinstance(strategy, BlockwiseStrategy)
+            base = load_blockwise(hp.checkpoint, compute_dtype=dtype, device=device, block_size=strategy.block_size)
+        else:
+            quantization = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=dtype,
+            )
+            base = AutoModelForCausalLM.from_pretrained(
+                hp.checkpoint,
+                quantization_config=quantization,
+                device_map={"": device},
+                dtype=dtype,
+                local_files_only=True,
+            )
         lora = LoraConfig(
             r=hp.lora_r,
             lora_alpha=hp.lora_alpha,
@@ -104,19 +147,6 @@ class CausalLMFineTune(pl.LightningModule):
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
         # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in strategy.py).
         self.model.train()
-
-    def setup(self, stage: str) -> None:
-        """Refuse DoRA under the blockwise strategy before anything loads.
-
-        Raises:
-            MisconfigurationException: If ``use_dora`` is set and the strategy is ``BlockwiseStrategy``.
-        """
-        if self.hparams.use_dora and isinstance(self.trainer.strategy, BlockwiseStrategy):
-            raise MisconfigurationException(
-                "CausalLMFineTune(use_dora=True) under `BlockwiseStrategy`: DoRA has not passed the blockwise parity"
-                " tests yet, so its training is not known to be identical to resident training. Use LoRA"
-                " (`use_dora: false`), or train DoRA with `strategy: auto`."
-            )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """The causal-LM loss of the batch (labels -100 where nothing is learned)."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from bitsandbytes.nn import Linear4bit
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -16,6 +19,9 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import main
 from lightning_blockwise.data import SyntheticTokensDataModule
 from lightning_blockwise.finetune import CausalLMFineTune
+from lightning_blockwise.loader import load_blockwise
+from lightning_blockwise.placement import _HOST_COPY_ATTR
+from tests.models import CONFIGS as MODEL_CONFIGS
 from tests.models import VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,8 +91,62 @@ def test_finetune_trains_saves_adapter_only_checkpoints_and_exports(
     assert exported.peft_config["default"].r == 4
 
 
-def test_dora_is_refused_under_blockwise(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    module = CausalLMFineTune(str(checkpoints["llama"]), use_dora=True)
-    trainer = pl.Trainer(strategy="blockwise", accelerator="cpu", max_steps=1, logger=False, default_root_dir=tmp_path)
-    with pytest.raises(Exception, match="DoRA has not passed the blockwise parity"):
-        trainer.fit(module, datamodule=SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB))
+def _fit_finetune(module: CausalLMFineTune, strategy: object, tmp_path: Path, steps: int = 2) -> pl.Trainer:
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB, num_samples=8, batch_size=2))
+    return trainer
+
+
+def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Under the blockwise strategy the base comes from `load_blockwise` in the strategy's block size: no repack."""
+    strategy = BlockwiseStrategy(block_size=2)
+    module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
+    with mock.patch("lightning_blockwise.finetune.load_blockwise", wraps=load_blockwise) as loaded:
+        _fit_finetune(module, strategy, tmp_path)
+    assert loaded.call_count == 1 and loaded.call_args.kwargs["block_size"] == 2
+    base = module.model.get_base_model()
+    assert strategy.host_copy is vars(base)[_HOST_COPY_ATTR]
+    assert strategy.host_copy.layer_ranges == (range(0, 2), range(2, 4))
+
+
+def test_loader_choices(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    standard = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", loader="standard")
+    with mock.patch("lightning_blockwise.finetune.load_blockwise") as loaded:
+        _fit_finetune(standard, "blockwise", tmp_path)
+    assert loaded.call_count == 0
+    blockwise_only = CausalLMFineTune(str(checkpoints["llama"]), compute_dtype="float32", loader="blockwise")
+    with pytest.raises(MisconfigurationException, match="only `BlockwiseStrategy` trains from"):
+        _fit_finetune(blockwise_only, "auto", tmp_path)
+    with pytest.raises(MisconfigurationException, match="choose one of 'auto', 'standard', 'blockwise'"):
+        CausalLMFineTune(str(checkpoints["llama"]), loader="fast")
+
+
+def test_dora_trains_under_blockwise(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """DoRA is no longer refused: its magnitude vectors are adapters, trained blockwise (parity: test_parity.py)."""
+    module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, use_dora=True, compute_dtype="float32")
+    _fit_finetune(module, "blockwise", tmp_path)
+    magnitudes = {n: p for n, p in module.named_parameters() if "lora_magnitude_vector" in n}
+    assert magnitudes and all(p.requires_grad for p in magnitudes.values())
+
+
+def test_random_init_from_a_config_only(tmp_path: Path) -> None:
+    """A directory with nothing but config.json: the real shape, random NF4 weights, trained blockwise."""
+    config_dir = tmp_path / "config-only"
+    config_dir.mkdir()
+    MODEL_CONFIGS["llama"]().save_pretrained(config_dir)
+    assert [p.name for p in config_dir.iterdir()] == ["config.json"]
+    module = CausalLMFineTune(str(config_dir), lora_r=4, compute_dtype="float32", random_init=True)
+    _fit_finetune(module, "blockwise", tmp_path)
+    base = module.model.get_base_model()
+    assert base.config.num_hidden_layers == MODEL_CONFIGS["llama"]().num_hidden_layers
+    assert isinstance(base.model.layers[0].self_attn.q_proj.base_layer, Linear4bit)
