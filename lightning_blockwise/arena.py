@@ -79,7 +79,9 @@ class HostArena:
             raise MisconfigurationException(
                 "HostArena(pin=True) page-locks memory for CUDA, but CUDA is not available."
             )
-        self.storage = torch.empty(self.nbytes, dtype=torch.uint8)
+        # `device` explicitly: Lightning builds modules under `torch.device(root_device)` (`configure_model` runs
+        # in the strategy's `tensor_init_context`), where a bare `torch.empty` would land on the GPU.
+        self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu")
         self.pinned = False
         if pin and self.nbytes:
             # NOTE [ Exact-size pinned memory ]

@@ -116,8 +116,22 @@ def load_blockwise(
 
         Trainer(strategy=BlockwiseStrategy(block_size=1), accelerator="gpu", precision="bf16-mixed").fit(Module())
     """
+    # Lightning calls `configure_model` under `torch.device(root_device)`; what is not placed explicitly here
+    # (the non-layer modules, computed buffers such as rotary frequencies, the arena) is host memory, whatever
+    # the caller's default device.
+    with torch.device("cpu"):
+        return _load_blockwise(Path(path), compute_dtype, device, block_size, quantization_config, progress)
+
+
+def _load_blockwise(
+    path: Path,
+    compute_dtype: torch.dtype,
+    device: torch.device | str | None,
+    block_size: int,
+    quantization_config: BitsAndBytesConfig | None,
+    progress: bool,
+) -> PreTrainedModel:
     start = time.perf_counter()
-    path = Path(path)
     if block_size < 1:
         raise ValueError(f"load_blockwise: block_size={block_size} must be at least 1.")
     device = torch.device(device) if device is not None else _default_device()

@@ -172,6 +172,19 @@ def test_host_copy_is_the_arena(saved: dict[str, Path]) -> None:
         assert not any(param.requires_grad for param in layer.parameters())
 
 
+def test_arena_is_on_the_host_under_a_default_device(saved: dict[str, Path]) -> None:
+    """Lightning runs `configure_model` under `torch.device(root_device)`; the arena must still be host memory.
+
+    On the GPU a bare `torch.empty` there allocated the arena on the device and `cudaHostRegister` failed;
+    the meta device stands in for it on the CPU.
+    """
+    with torch.device("meta"):
+        model = _load(saved["llama-bf16"], torch.bfloat16)
+    copy = vars(model)[_HOST_COPY_ATTR]
+    assert copy.arena.storage.device.type == "cpu" and copy.is_bound()
+    _assert_same_model(_standard(saved["llama-bf16"], torch.bfloat16), model)
+
+
 def test_bias_dtype_is_predicted(tmp_path: Path) -> None:
     """Biases bigger than the alignment: the arena predicted from config.json is the one packed.
 
