@@ -2,9 +2,11 @@
 
 Nothing here touches the network: the "pretrained" base is a random-init model saved to a
 temporary directory and loaded back the way users load a real checkpoint, so the demo
-exercises the same ``from_pretrained(..., quantization_config=...)`` path. The data are
-arithmetic progressions, which even a frozen random base with LoRA adapters learns to
-continue within a few dozen steps, so the falling loss shows the adapters train.
+exercises the same ``from_pretrained(..., quantization_config=...)`` path. ``configs/demo.yaml``
+trains it on the instruction pairs shipped in ``data/`` (:class:`~lightning_blockwise.data.InstructionDataModule`
+with its byte-level tokenizer); :class:`DemoDataModule`'s arithmetic progressions are the
+smallest data a frozen random base with LoRA adapters learns to continue within a few dozen
+steps, for tests and quick experiments.
 
 Example::
 

@@ -137,18 +137,20 @@ def _metric(rows: list[dict[str, str]], key: str) -> list[float]:
 def test_demo_fit_lowers_the_loss_and_saves_a_loadable_adapter(tmp_path: Path) -> None:
     into = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     cli = build_cli(
-        ["fit", "--config", str(DEMO_CONFIG), *into, "--trainer.max_steps=40", "--trainer.enable_progress_bar=false"]
+        ["fit", "--config", str(DEMO_CONFIG), *into, "--trainer.max_steps=48", "--trainer.enable_progress_bar=false"]
     )
     log_dir = Path(cli.trainer.log_dir)
     assert log_dir.is_relative_to(tmp_path)
-    assert cli.trainer.global_step == 40
+    assert cli.trainer.global_step == 48
     assert isinstance(cli.trainer.strategy, BlockwiseStrategy)
 
     with open(log_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     train, val = _metric(rows, "train_loss"), _metric(rows, "val_loss")
-    assert len(train) == 8 and len(val) == 2
-    assert train[-1] < train[0] - 1.0, train
+    # Logged every 5 steps; validated at the end of both epochs (steps 24 and 48).
+    assert len(train) == 9 and len(val) == 2
+    # Single-batch losses are noisy: compare the first two logged with the last two.
+    assert sum(train[-2:]) / 2 < sum(train[:2]) / 2 - 0.8, train
     assert val[-1] < val[0], val
     assert (log_dir / "config.yaml").is_file()
     # The demo's callbacks ran: the parity check passed on every layer, and the profiler wrote its summary.
@@ -161,7 +163,9 @@ def test_demo_fit_lowers_the_loss_and_saves_a_loadable_adapter(tmp_path: Path) -
     adapter_dir = log_dir / "adapter"
     trained = {n: p.detach().cpu() for n, p in cli.model.model.named_parameters() if "lora_" in n}
     hp = cli.model.hparams
-    base = build_base_model(hidden_size=hp.hidden_size, num_hidden_layers=hp.num_hidden_layers, seed=hp.seed)
+    base = build_base_model(
+        hidden_size=hp.hidden_size, num_hidden_layers=hp.num_hidden_layers, vocab_size=hp.vocab_size, seed=hp.seed
+    )
     loaded = {n: p.detach().cpu() for n, p in PeftModel.from_pretrained(base, adapter_dir).named_parameters()}
     loaded = {n: p for n, p in loaded.items() if "lora_" in n}
     assert trained and trained.keys() == loaded.keys()
