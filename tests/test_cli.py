@@ -38,7 +38,8 @@ def test_print_config_keeps_the_strategy_class_path(capsys: pytest.CaptureFixtur
     assert strategy["class_path"] == "lightning_blockwise.BlockwiseStrategy"
     assert strategy["init_args"]["block_size"] == 1
     assert config["model"]["class_path"] == "lightning_blockwise.demo.DemoCausalLM"
-    assert config["trainer"]["max_steps"] == 60
+    assert config["trainer"]["max_steps"] == 72
+    assert config["data"]["class_path"] == "lightning_blockwise.data.InstructionDataModule"
 
 
 def test_demo_config_instantiates_a_blockwise_strategy(tmp_path: Path) -> None:
