@@ -68,6 +68,16 @@ class Throughput(pl.Callback):
         return statistics.median(b - a for a, b in zip(self.starts, self.starts[1:], strict=False))
 
 
+def _batches(args: argparse.Namespace, vocab: int) -> list[dict[str, torch.Tensor]]:
+    """The same random rows for every arm: warm-up plus measured steps, batch 1."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (1, args.seq), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
 class Interleaved(pl.Callback):
     """Drives ``profiler`` in alternate windows of ``window`` steps after ``warmup``; records every step's interval.
 
@@ -115,11 +125,7 @@ class Interleaved(pl.Callback):
 
 
 def run_interleaved(model: nn.Module, args: argparse.Namespace, vocab: int, root: str, first: bool) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (1, args.seq), generator=gen)
-        batches.append({"input_ids": ids, "labels": ids})
+    batches = _batches(args, vocab)
     driver = Interleaved(BlockwiseProfiler(dirpath=root), args.interleave, args.warmup, profiled_first=first)
     strategy = BlockwiseStrategy(block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq)
     trainer = pl.Trainer(
@@ -146,11 +152,7 @@ def run_interleaved(model: nn.Module, args: argparse.Namespace, vocab: int, root
 
 
 def run_arm(model: nn.Module, profiled: bool, args: argparse.Namespace, vocab: int, root: str) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (1, args.seq), generator=gen)
-        batches.append({"input_ids": ids, "labels": ids})
+    batches = _batches(args, vocab)
     throughput = Throughput(args.warmup)
     callbacks: list[pl.Callback] = [throughput]
     # The timeline is drawn after the fit, outside the timed window.

@@ -22,7 +22,7 @@ from lightning_blockwise.finetune import CausalLMFineTune
 from lightning_blockwise.loader import load_blockwise
 from lightning_blockwise.placement import _HOST_COPY_ATTR
 from tests.models import CONFIGS as MODEL_CONFIGS
-from tests.models import VOCAB
+from tests.models import VOCAB, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -61,7 +61,7 @@ def test_finetune_trains_saves_adapter_only_checkpoints_and_exports(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
-    trainer = pl.Trainer(
+    fitter = pl.Trainer(
         strategy=BlockwiseStrategy(block_size=2),
         accelerator="cpu",
         max_steps=3,
@@ -73,7 +73,7 @@ def test_finetune_trains_saves_adapter_only_checkpoints_and_exports(
         default_root_dir=tmp_path,
     )
     data = SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB, num_samples=8, batch_size=2)
-    trainer.fit(module, datamodule=data)
+    fitter.fit(module, datamodule=data)
 
     (saved,) = (tmp_path / "checkpoints").glob("*.ckpt")
     state = torch.load(saved, weights_only=False)["state_dict"]
@@ -91,20 +91,9 @@ def test_finetune_trains_saves_adapter_only_checkpoints_and_exports(
     assert exported.peft_config["default"].r == 4
 
 
-def _fit_finetune(module: CausalLMFineTune, strategy: object, tmp_path: Path, steps: int = 2) -> pl.Trainer:
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB, num_samples=8, batch_size=2))
-    return trainer
+def _fit_finetune(module: CausalLMFineTune, strategy: object, tmp_path: Path, steps: int = 2) -> None:
+    fitter = trainer(strategy, max_steps=steps, accumulate_grad_batches=1, default_root_dir=tmp_path)
+    fitter.fit(module, datamodule=SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB, num_samples=8, batch_size=2))
 
 
 def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from tests.models import (
     fit,
     nf4_config,
     padded_batches,
+    runs_differ,
 )
 
 _DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -235,6 +236,25 @@ def test_training_equals_standard_path(saved: dict[str, Path], model_type: str, 
     assert_equal_runs(control, fit(loaded, strategy))
     # The strategy trained from the loader's arena instead of packing a second one.
     assert strategy.host_copy is arena
+
+
+def _flip_one_byte(model: PreTrainedModel) -> PreTrainedModel:
+    """Change one packed byte (two NF4 codes) of layer 0's q_proj weight, in the arena."""
+    flat = model.model.layers[0].self_attn.q_proj.weight.data.view(-1)
+    flat[0] = flat[0] ^ 0x11
+    return model
+
+
+def test_control_one_changed_byte_is_caught(saved: dict[str, Path]) -> None:
+    """The byte-identity and training comparisons above fail when one packed byte of the load differs."""
+    expected = _standard(saved["llama-bf16"], torch.float32)
+    with pytest.raises(AssertionError, match=r"layers\.0\.self_attn\.q_proj\.weight"):
+        _assert_same_model(expected, _flip_one_byte(_load(saved["llama-bf16"], torch.float32)))
+
+    wrap = _lora("llama")
+    reference = fit(CausalLMModule(lambda: wrap(_standard(saved["llama-bf16"], torch.float32))), "blockwise")
+    flipped = CausalLMModule(lambda: wrap(_flip_one_byte(_load(saved["llama-bf16"], torch.float32))))
+    assert runs_differ(reference, fit(flipped, "blockwise"))
 
 
 def _corrupt(saved: Path, tmp_path: Path) -> Path:
