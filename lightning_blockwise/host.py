@@ -219,8 +219,21 @@ def views(layout: BlockLayout, slab: Tensor) -> list[Tensor]:
             f" `nbytes`), got dtype {slab.dtype}, shape {tuple(slab.shape)}. Allocate it with"
             " `torch.empty(layout.nbytes, dtype=torch.uint8)`."
         )
+    # NOTE [ One storage per slab entry ]
+    # Each view gets a storage of its own that aliases exactly its bytes of the slab (slicing an
+    # `UntypedStorage` shares memory and keeps the slab alive). Typed views of one shared slab
+    # storage would make `torch.save` of the module's `state_dict` fail ("Cannot save multiple
+    # tensors or storages that view the same data as different types": NF4 bytes next to
+    # float32 `absmax`) and, where it did not fail, write the whole slab or device slot once per
+    # tensor's storage. With one storage per entry a saved frozen tensor is exactly its own
+    # bytes, wherever it is bound, and nothing is copied to save it.
+    storage = slab.untyped_storage()
+    base = slab.storage_offset()
     return [
-        slab[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape) for entry in layout.entries
+        torch.empty(0, dtype=entry.dtype, device=slab.device).set_(
+            storage[base + entry.offset : base + entry.offset + entry.nbytes], 0, entry.shape
+        )
+        for entry in layout.entries
     ]
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +29,18 @@ from lightning_blockwise.architectures import (
     eval_mode_4bit_modules,
     find_decoder_stack,
 )
+from lightning_blockwise.checkpointing import (
+    CHECKPOINT_KEY,
+    FORMAT_VERSION,
+    BaseKeys,
+    HostViews,
+    base_fingerprint,
+    is_quantization_metadata,
+    saved_nested_offsets,
+)
 from lightning_blockwise.placement import HostCopy, disable_cpu_repack, move_rest_to_device, restore_cpu_repack
 from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
+from lightning_blockwise.rng import GlobalRngState
 from lightning_blockwise.streamer import BlockStreamer
 
 
@@ -52,6 +65,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             hold; the activation part of the prediction grows with it.
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
+        save_frozen_base: Write the frozen base into checkpoints too (a self-contained file).
+            By default a checkpoint holds what training changes and a fingerprint of the base
+            (NOTE [ Lean checkpoints ] in checkpointing.py).
         accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         device: The device to train on. When the strategy is chosen by name
             (``Trainer(strategy="blockwise", accelerator="gpu")``) the Trainer sets it from
@@ -60,8 +76,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     Raises:
-        MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is below 1,
-            ``vram_budget`` cannot be read as a size, or ``device`` is a GPU and CUDA is not available.
+        MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is not an integer
+            of at least 1, ``vram_budget`` is not a positive size, or ``device`` is a GPU and CUDA is not available.
 
     Example::
 
@@ -79,20 +95,24 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         vram_budget: int | str | None = None,
         budget_tokens: int = 2048,
         allow_unvalidated: bool = False,
+        save_frozen_base: bool = False,
         accelerator: Accelerator | None = None,
         device: _DEVICE | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if block_size < 1:
-            raise MisconfigurationException(f"`BlockwiseStrategy(block_size={block_size})` must be at least 1.")
-        if prefetch_depth < 1:
-            raise MisconfigurationException(
-                f"`BlockwiseStrategy(prefetch_depth={prefetch_depth})` must be at least 1: the block after the one"
-                " in use has to be on its way for copies to overlap compute."
-            )
-        if budget_tokens < 1:
-            raise MisconfigurationException(f"`BlockwiseStrategy(budget_tokens={budget_tokens})` must be at least 1.")
+        _check_count("block_size", block_size)
+        _check_count(
+            "prefetch_depth",
+            prefetch_depth,
+            " the block after the one in use has to be on its way for copies to overlap compute.",
+        )
+        _check_count("budget_tokens", budget_tokens)
+        if vram_budget is not None:
+            try:
+                vram_budget = parse_bytes(vram_budget)
+            except MisconfigurationException as error:
+                raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={vram_budget!r})`: {error}") from None
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise MisconfigurationException(
                 f"`BlockwiseStrategy(device={str(device)!r})` asks for a GPU, but CUDA is not available. Install a"
@@ -106,9 +126,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         )
         self.block_size = block_size
         self.prefetch_depth = prefetch_depth
-        self.vram_budget = None if vram_budget is None else parse_bytes(vram_budget)
+        self.vram_budget = vram_budget
         self.budget_tokens = budget_tokens
         self.allow_unvalidated = allow_unvalidated
+        self.save_frozen_base = save_frozen_base
         self.residency_plan: ResidencyPlan | None = None
         self._device_given = device is not None
         self.plan: BlockPlan | None = None
@@ -118,6 +139,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._host_copy: HostCopy | None = None
         self._on_host: list[torch.nn.Module] = []
         self._repack_flags: dict[torch.nn.Module, bool] = {}
+        self._base_keys: BaseKeys | None = None
+        self._base_fingerprint: str | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
 
     # Lightning hands a strategy chosen by name its devices through `parallel_devices`
     # (see `_AcceleratorConnector._lazy_init_strategy`). A `SingleDeviceStrategy` built from a
@@ -140,6 +164,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         # Refuse a module that cannot train blockwise before anything moves or optimizers are built.
+        _refuse_compiled(self.lightning_module)
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
         self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -180,6 +205,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if device.type == "cpu":
             self._repack_flags = disable_cpu_repack(self._stack)
         self.residency_plan = self._plan_residency()
+        # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
+        self._base_keys = BaseKeys.of(self.lightning_module, self._stack.model)
+        self._base_fingerprint = self._fingerprint()
         self.streamer = self._new_streamer(self.residency_plan.resident)
 
     def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
@@ -290,11 +318,167 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             self.streamer = self._new_streamer(self.residency_plan.resident)
             remat.install(self._layers, params, self.streamer)
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A checkpoint's frozen tensors (`save_frozen_base=True`) go into the host arena, and its base
+        # fingerprint is compared with the packed base's: both exist only after setup.
+        return True
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        """The fingerprint of the frozen base that checkpoints record (NOTE [ Lean checkpoints ]); set at setup."""
+        return self._base_fingerprint
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict without the frozen base, or with it read from the host copy.
+
+        See NOTE [ Lean checkpoints ] in checkpointing.py.
+        """
+        state = super().lightning_module_state_dict()
+        if self._base_keys is None or self._host_copy is None:
+            return state
+        if not self.save_frozen_base:
+            return {key: value for key, value in state.items() if key not in self._base_keys.frozen}
+        host = self._host_views()
+        return {key: _prefer(host.get(value), value) for key, value in state.items()}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if self._base_fingerprint is not None:
+            checkpoint[CHECKPOINT_KEY] = {
+                "format_version": FORMAT_VERSION,
+                "frozen_base": self.save_frozen_base,
+                "base_fingerprint": self._base_fingerprint,
+                # NOTE [ Exact resume ] in rng.py.
+                "rng": GlobalRngState.capture().state_dict(),
+            }
+        if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Lightning's `TorchCheckpointIO` serializes into an in-memory buffer first, which for a full-state
+        # checkpoint would copy the whole base in host RAM; write to a temporary file and rename it instead
+        # (as atomic as Lightning's own write, and no second copy of the base).
+        path = Path(filepath)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(handle)
+        try:
+            torch.save(checkpoint, temporary)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a lean or full checkpoint into the set-up module; refuse one of another base.
+
+        Missing frozen-base keys are expected (NOTE [ Lean checkpoints ]); missing trainable keys
+        are an error whatever ``strict`` says, since training would silently restart them.
+
+        Raises:
+            MisconfigurationException: If the checkpoint was written over another base, lacks trainable
+                parameters, or (with ``strict``) has keys the module does not or lacks others.
+        """
+        if self._base_keys is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        meta = checkpoint.get(CHECKPOINT_KEY) or {}
+        state = dict(checkpoint["state_dict"])
+        frozen = self._base_keys.frozen
+        has_base = any(key in frozen for key in state)
+        saved_fingerprint = meta.get("base_fingerprint")
+        if not has_base and saved_fingerprint is not None and saved_fingerprint != self._base_fingerprint:
+            raise MisconfigurationException(
+                "BlockwiseStrategy: the checkpoint was written over another frozen base (its fingerprint"
+                f" {saved_fingerprint[:12]}... differs from this model's {self._base_fingerprint[:12]}...: another"
+                " config, other weights or another quantization). Load the base the checkpoint was trained on, or"
+                " save checkpoints with `BlockwiseStrategy(save_frozen_base=True)` to carry the base along."
+            )
+        missing = sorted(self._base_keys.trainable - state.keys())
+        if missing:
+            raise MisconfigurationException(
+                f"BlockwiseStrategy: the checkpoint lacks {len(missing)} trainable parameters of the module (e.g."
+                f" `{missing[0]}`), which would start again from their initial values. Resume with the adapter"
+                " configuration (targets, rank) the checkpoint was trained with."
+            )
+        if has_base:
+            state = self._load_frozen_base(state)
+        result = self.lightning_module.load_state_dict(state, strict=False)
+        if has_base:
+            self._base_fingerprint = self._fingerprint()
+        missing_other = [key for key in result.missing_keys if key not in frozen]
+        if strict and (missing_other or result.unexpected_keys):
+            raise MisconfigurationException(
+                f"BlockwiseStrategy: the checkpoint does not match the module: missing keys {missing_other[:5]},"
+                f" unexpected keys {result.unexpected_keys[:5]}. Set `strict_loading = False` on the module to load"
+                " what matches."
+            )
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._rng_to_restore = meta.get("rng")
+
+    def _load_frozen_base(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Write the checkpoint's frozen decoder tensors into the host copy; return the rest to load as usual.
+
+        The host arena is the only authoritative copy of the decoder layers' frozen tensors, so
+        they are written there (not into whatever device slot a block is bound to), and the
+        streamer is rebuilt so that blocks kept resident on the device are copied again.
+        """
+        assert self._base_keys is not None
+        module = self.lightning_module
+        current = module.state_dict(keep_vars=True)
+        host = self._host_views()
+        rest = {}
+        for key, value in state.items():
+            target = current.get(key) if key in self._base_keys.frozen else None
+            view = None if target is None else host.get(target)
+            if view is None:
+                if not is_quantization_metadata(key):
+                    rest[key] = value
+                continue
+            if value.dtype != view.dtype or value.shape != view.shape:
+                raise MisconfigurationException(
+                    f"BlockwiseStrategy: the checkpoint's `{key}` is {value.dtype} {tuple(value.shape)}, the module's"
+                    f" {view.dtype} {tuple(view.shape)}. Build the module with the checkpoint's architecture and"
+                    " quantization."
+                )
+            view.copy_(value)
+        for offset, saved in saved_nested_offsets(module, state):
+            view = host.get(offset)
+            if view is not None:
+                view.copy_(saved)
+        if self.streamer is not None:
+            assert self.residency_plan is not None
+            self.streamer.close()
+            self.streamer = self._new_streamer(self.residency_plan.resident)
+            remat.install(self._layers, self._layer_params(), self.streamer)
+        return rest
+
+    def _host_views(self) -> HostViews:
+        assert self._host_copy is not None
+        return HostViews(self._host_copy.layouts, self._host_copy.arena.slabs)
+
+    def _fingerprint(self) -> str:
+        assert self._base_keys is not None and self._stack is not None
+        host = self._host_views()
+        state = self.lightning_module.state_dict(keep_vars=True)
+        tensors = [_prefer(host.get(t), t) for key, t in state.items() if key in self._base_keys.frozen]
+        return base_fingerprint(self._stack.model.config, tensors)
+
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.root_device.type == "cpu":
             self._refuse_cpu_eval_mode_4bit()
+        if self._rng_to_restore is not None:
+            # NOTE [ Exact resume ] in rng.py. Here, after the loops, the data and every `on_train_start`
+            # hook are set up and before the first batch is drawn, as where the checkpoint was written.
+            GlobalRngState.from_state_dict(self._rng_to_restore).restore()
+            self._rng_to_restore = None
 
     @override
     def teardown(self) -> None:
@@ -337,6 +521,35 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 cls,
                 description="Frozen decoder layers rematerialized and streamed block by block (lightning-blockwise)",
             )
+
+
+def _check_count(name: str, value: Any, why: str = "") -> None:
+    """Refuse a strategy option that must be an integer of at least 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MisconfigurationException(f"`BlockwiseStrategy({name}={value!r})` must be an integer of at least 1.{why}")
+
+
+def _refuse_compiled(module: torch.nn.Module) -> None:
+    """Refuse ``torch.compile`` anywhere in the module, with the reason, before any model work."""
+    compiled = getattr(module, "_compiler_ctx", None) is not None or any(
+        isinstance(sub, torch._dynamo.eval_frame.OptimizedModule) or getattr(sub, "_compiled_call_impl", None)
+        for sub in module.modules()
+    )
+    if compiled:
+        raise MisconfigurationException(
+            "BlockwiseStrategy does not support `torch.compile`: the frozen decoder tensors are rebound to other"
+            " memory (host arena, device slots) between and within steps, and are views of one byte buffer with"
+            " different dtypes, which AOTAutograd cannot trace. Train the module uncompiled (drop"
+            " `torch.compile` / `module.compile()`)."
+        )
+
+
+def _prefer(first: torch.Tensor | None, second: Any) -> Any:
+    return second if first is None else first
+
+
+def _is_local(path: str | Path) -> bool:
+    return "://" not in str(path)
 
 
 __all__ = ["BlockwiseStrategy"]
