@@ -6,6 +6,7 @@ while weights move one block of ``block_size`` consecutive layers at a time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,21 +179,31 @@ def plan_residency(
 
 
 def parse_bytes(value: int | str) -> int:
-    """Bytes from an int or a string like ``"16GiB"``, ``"24GB"``, ``"512MiB"``.
+    """Bytes from a positive int or a string like ``"16GiB"``, ``"24GB"``, ``"512MiB"``.
 
     Raises:
-        MisconfigurationException: If the string is not a number with a known unit.
+        MisconfigurationException: If ``value`` is not an int or a string (a bool or a float is
+            refused: a size is a count of bytes), the string is not a finite number with a known
+            unit, or the size is not positive.
     """
+    hint = "Give an integer number of bytes or a number with a unit, e.g. '16GiB' or '24GB'."
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise MisconfigurationException(f"Cannot read {value!r} ({type(value).__name__}) as a memory size. {hint}")
     if isinstance(value, int):
-        return value
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    text = value.strip().upper().replace(" ", "")
-    number = text.rstrip("KMGTIB")
-    unit = text[len(number) :]
-    try:
-        return int(float(number) * units[unit])
-    except (KeyError, ValueError):
-        raise MisconfigurationException(
-            f"Cannot read {value!r} as a memory size. Use bytes or a number with a unit, e.g. '16GiB' or '24GB'."
-        ) from None
+        nbytes = value
+    else:
+        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+        units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        text = value.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number) :]
+        try:
+            amount = float(number) * units[unit]
+        except (KeyError, ValueError):
+            raise MisconfigurationException(f"Cannot read {value!r} as a memory size. {hint}") from None
+        if not math.isfinite(amount):
+            raise MisconfigurationException(f"Cannot read {value!r} as a memory size: it is not finite. {hint}")
+        nbytes = int(amount)
+    if nbytes <= 0:
+        raise MisconfigurationException(f"The memory size {value!r} must be positive. {hint}")
+    return nbytes

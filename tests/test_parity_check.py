@@ -17,6 +17,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, remat
@@ -31,6 +33,7 @@ from tests.models import (
     collect,
     fit,
     padded_batches,
+    runs_differ,
     trainer,
     trainer_optimizer,
 )
@@ -93,6 +96,46 @@ def test_run_after_the_check_equals_a_run_without_it() -> None:
     checked = run([check])
     assert check.result is not None and check.result.passed
     assert_equal_runs(checked, run([]))
+
+
+def _shuffling_loader(kind: str, num_workers: int) -> Any:
+    """Shuffled padded batches: from the loader's own generator, from the global one, or a stateful loader."""
+    batches = padded_batches(8)
+    if kind == "stateful":
+        sampler = StatefulRandomSampler(batches, generator=torch.Generator().manual_seed(3))
+        return StatefulDataLoader(
+            batches,
+            batch_size=None,
+            sampler=sampler,
+            generator=torch.Generator().manual_seed(4),
+            num_workers=num_workers,
+        )
+    generator = torch.Generator().manual_seed(3) if kind == "own" else None
+    return DataLoader(batches, batch_size=None, shuffle=True, generator=generator, num_workers=num_workers)
+
+
+def _run_with(callbacks: list[Callback], kind: str, num_workers: int) -> Any:
+    module = CausalLMModule(_builder())
+    pl.seed_everything(0, verbose=False)
+    trainer("blockwise", callbacks=callbacks).fit(module, _shuffling_loader(kind, num_workers))
+    return collect(module, trainer_optimizer(module))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["own", "global", "stateful"])
+def test_check_leaves_a_shuffling_loader_alone(kind: str, num_workers: int) -> None:
+    """The step-0 loss and every later one are equal with and without the check, whatever drives the shuffle."""
+    check = ParityCheck()
+    checked = _run_with([check], kind, num_workers)
+    assert check.result is not None and check.result.passed
+    assert_equal_runs(checked, _run_with([], kind, num_workers))
+
+
+def test_control_loader_generator_not_restored_shifts_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without putting the loader's own generator back, the check's iterator changes the run's batches."""
+    unchecked = _run_with([], "own", 0)
+    monkeypatch.setattr(parity, "_generators", lambda dataloaders: [])
+    assert runs_differ(_run_with([ParityCheck()], "own", 0), unchecked)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "nf4"])
@@ -238,3 +281,23 @@ def test_resident_prefix_restores_the_strategy() -> None:
             assert strategy.host_copy.is_bound()
 
     fit(CausalLMModule(_builder()), "blockwise", callbacks=[Probe()], max_steps=1)
+
+
+def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 86 GB card, 6 GB of it reserved by this process: capped at 25%, the reference gets what the cap leaves."""
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * gb, 86 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gb)
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"])
+    strategy = BlockwiseStrategy()
+    monkeypatch.setattr(BlockwiseStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    strategy.residency_plan = type("Plan", (), {"predicted_peak": 8 * gb})()
+    check = ParityCheck()
+    # Uncapped: free + cached - what the step still needs (8 - 5 allocated).
+    assert check._reference_limit(strategy) == 80 * gb + 1 * gb - 3 * gb
+    fraction["value"] = 0.25  # 21.5 GB for the process: 21.5 - 5 allocated - 3 still needed
+    assert check._reference_limit(strategy) == 13.5 * gb
+    strategy.vram_budget = 10 * gb  # the budget binds tighter still: 10 - 8 planned
+    assert check._reference_limit(strategy) == 2 * gb

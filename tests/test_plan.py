@@ -75,3 +75,9 @@ def test_parse_bytes(text: int | str, expected: int) -> None:
 def test_parse_bytes_refuses_nonsense() -> None:
     with pytest.raises(MisconfigurationException, match="memory size"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("value", [0, -1, "-1GB", "inf", "nan", 1.5e9, True, None])
+def test_parse_bytes_refuses_sizes_that_are_not_positive_finite_counts(value: object) -> None:
+    with pytest.raises(MisconfigurationException, match="memory size"):
+        parse_bytes(value)  # type: ignore[arg-type]

@@ -203,10 +203,63 @@ def test_error_unvalidated_architecture_and_opt_in() -> None:
     assert_equal_runs(resident, opted_in)
 
 
-@pytest.mark.parametrize("kwargs", [{"block_size": 0}, {"block_size": -1}, {"prefetch_depth": 0}])
-def test_error_bad_options(kwargs: dict[str, int]) -> None:
-    with pytest.raises(MisconfigurationException, match="must be at least 1"):
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": 0},
+        {"block_size": -1},
+        {"prefetch_depth": 0},
+        {"block_size": True},
+        {"block_size": 2.5},
+        {"prefetch_depth": "2"},
+        {"budget_tokens": 0},
+    ],
+)
+def test_error_bad_options(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(MisconfigurationException, match="must be an integer of at least 1"):
         BlockwiseStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("budget", "match"),
+    [
+        ("-1GB", "must be positive"),
+        (0, "must be positive"),
+        (-5, "must be positive"),
+        ("0GiB", "must be positive"),
+        ("inf", "not finite"),
+        ("nanGB", "not finite"),
+        (float("inf"), r"\(float\)"),
+        (16e9, r"\(float\)"),
+        (True, r"\(bool\)"),
+        ("lots", "Cannot read"),
+    ],
+)
+def test_error_bad_vram_budget_when_built(budget: Any, match: str) -> None:
+    """Refused when the strategy is built, before any model work, naming the option."""
+    with pytest.raises(MisconfigurationException, match=rf"BlockwiseStrategy\(vram_budget=.*{match}"):
+        BlockwiseStrategy(vram_budget=budget)
+
+
+def test_vram_budget_accepts_bytes_and_sizes() -> None:
+    assert BlockwiseStrategy(vram_budget=2**30).vram_budget == 2**30
+    assert BlockwiseStrategy(vram_budget="1.5GiB").vram_budget == 3 * 2**29
+
+
+@pytest.mark.parametrize("how", ["module", "inner"])
+def test_error_torch_compile_is_refused_before_packing(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch.compile` (of the LightningModule, or of the Hugging Face model inside it) is refused at setup."""
+    packed = []
+    monkeypatch.setattr("lightning_blockwise.placement.host_copy", lambda *a, **k: packed.append(1))
+    module = CausalLMModule(lambda: build_model("llama"))
+    if how == "inner":
+        module.model = torch.compile(module.model)
+        target: Any = module
+    else:
+        target = torch.compile(module)
+    with pytest.raises(MisconfigurationException, match="does not support `torch.compile`"):
+        trainer("blockwise").fit(target, loader(padded_batches(2)))
+    assert not packed
 
 
 def test_error_block_size_larger_than_layer_count() -> None:

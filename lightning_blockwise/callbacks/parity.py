@@ -6,9 +6,12 @@
 # the optimizer is never stepped or touched; every parameter's ``.grad`` (``None``
 # included) is saved and put back; the CPU, CUDA, Python and NumPy generators are forked
 # around the check and each arm starts from the same saved state; the first batch comes
-# from a fresh iterator of the training dataloader, never from the one the loop will use
-# (a shuffling sampler draws its seed from the forked generator, so it is the batch the
-# first step will see); the modules' training flags are put back; the strategy's streamer
+# from a fresh iterator of the training dataloader, never from the one the loop will use,
+# and everything that iterator advances is put back: the generators of the loader and of
+# its samplers (a shuffling loader with its own generator draws its order and base seed
+# from it), and a stateful loader's position (``state_dict`` / ``load_state_dict``), so the
+# loop's own iterator yields exactly the batches it would have, the checked one first;
+# the modules' training flags are put back; the strategy's streamer
 # is replaced by a fresh one of the same plan (NOTE [ Resident prefix ] in strategy.py).
 # The module's own ``training_step`` runs, so its side effects are handled as far as they
 # can be: ``self.log``/``self.log_dict`` calls are dropped, and the list, dict and set
@@ -30,14 +33,12 @@
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import CombinedLoader
@@ -47,6 +48,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_blockwise.plan import parse_bytes
+from lightning_blockwise.rng import GlobalRngState
 from lightning_blockwise.strategy import BlockwiseStrategy
 
 _DETERMINISM_FIX = (
@@ -312,7 +314,7 @@ class ParityCheck(Callback):
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         with _no_trace(pl_module, device):
-            start = _RngState.capture(device)
+            start = GlobalRngState.capture()
             batch = strategy.batch_to_device(self.batch if self.batch is not None else _first_batch(trainer))
             blockwise = _step(strategy, pl_module, batch, start)
             with strategy.resident_prefix(num_blocks):
@@ -337,11 +339,16 @@ class ParityCheck(Callback):
             limits.append(strategy.vram_budget - strategy.residency_plan.predicted_peak)
         device = strategy.root_device
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            free, total = torch.cuda.mem_get_info(device)
+            allocated = torch.cuda.memory_allocated(device)
+            cached = torch.cuda.memory_reserved(device) - allocated
             # The blockwise step itself still has to grow from what is allocated now to its planned peak.
-            still_needed = max(0, strategy.residency_plan.predicted_peak - torch.cuda.memory_allocated(device))
+            still_needed = max(0, strategy.residency_plan.predicted_peak - allocated)
             limits.append(max(0, free + cached - still_needed))
+            # A per-process cap (`torch.cuda.set_per_process_memory_fraction`) binds the allocator before the
+            # card runs out: it may hold at most `fraction * total` bytes, whatever is free on the card.
+            cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+            limits.append(max(0, cap - allocated - still_needed))
         return min(limits) if limits else None
 
 
@@ -349,33 +356,10 @@ def _gb(nbytes: int | None) -> str:
     return "unlimited" if nbytes is None else f"{nbytes / 1e9:.3f}"
 
 
-@dataclass(frozen=True)
-class _RngState:
-    """Every generator a training step may draw from."""
-
-    cpu: Tensor
-    cuda: Tensor | None
-    device: torch.device
-    python: Any
-    numpy: Any
-
-    @classmethod
-    def capture(cls, device: torch.device) -> _RngState:
-        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return cls(torch.get_rng_state(), cuda, device, random.getstate(), np.random.get_state())
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-
-
 @contextmanager
 def _no_trace(pl_module: pl.LightningModule, device: torch.device) -> Iterator[None]:
     """Put back what a check's steps change (NOTE [ Parity check leaves no trace ])."""
-    rng = _RngState.capture(device)
+    rng = GlobalRngState.capture()
     grads = {param: param.grad for param in pl_module.parameters()}
     modes = {module: module.training for module in pl_module.modules()}
     containers = {
@@ -416,6 +400,9 @@ def _first_batch(trainer: pl.Trainer) -> Any:
             "`ParityCheck` found no training dataloader to take a batch from. Pass one with `ParityCheck(batch=...)`."
         )
     loader = CombinedLoader(iterables, mode="max_size_cycle")
+    # NOTE [ Parity check leaves no trace ]: what the throwaway iterator advances is put back.
+    generators = {id(g): (g, g.get_state()) for g in _generators(loader.flattened)}
+    positions = [(d, d.state_dict()) for d in loader.flattened if _is_stateful(d)]
     try:
         batch, _, _ = next(iter(loader))
     except StopIteration:
@@ -425,11 +412,34 @@ def _first_batch(trainer: pl.Trainer) -> Any:
     finally:
         # Shut down this throwaway iterator's workers; the loop makes its own iterator afterwards.
         loader.reset()
+        for generator, state in generators.values():
+            generator.set_state(state)
+        for dataloader, position in positions:
+            dataloader.load_state_dict(position)
     return batch
 
 
+def _generators(dataloaders: list[Any]) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a fresh iterator of these dataloaders may draw from."""
+    found = []
+    for dataloader in dataloaders:
+        samplers = [
+            getattr(dataloader, "sampler", None),
+            getattr(getattr(dataloader, "batch_sampler", None), "sampler", None),
+        ]
+        for owner in [dataloader, *samplers]:
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator):
+                found.append(generator)
+    return found
+
+
+def _is_stateful(dataloader: Any) -> bool:
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
 def _step(
-    strategy: BlockwiseStrategy, pl_module: pl.LightningModule, batch: Any, rng: _RngState
+    strategy: BlockwiseStrategy, pl_module: pl.LightningModule, batch: Any, rng: GlobalRngState
 ) -> dict[str, Tensor | None]:
     """One forward and backward from ``rng``: the loss and each trainable parameter's gradient."""
     rng.restore()
