@@ -32,6 +32,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel, Qwen2Config
 
+from lightning_blockwise.export import check_export_target, export_adapter
+
 #: Token id that pads sequences on the right; the data never use it otherwise.
 PAD_TOKEN_ID = 0
 
@@ -107,6 +109,7 @@ def build_base_model(
             quantization_config=quantization,
             device_map={"": torch.device(device)},
             dtype=torch.float32,
+            local_files_only=True,
         )
     # The checkpoint is gone once loaded; an adapter saved later must not name it as its base.
     model.name_or_path = model.config.name_or_path = ""
@@ -252,7 +255,7 @@ class DemoCausalLM(pl.LightningModule):
         )
         if hp.adapter_path is not None:
             # The saved adapter's own config decides its rank and targets.
-            self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True)
+            self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True, local_files_only=True)
         else:
             lora = LoraConfig(
                 r=hp.lora_r,
@@ -270,11 +273,14 @@ class DemoCausalLM(pl.LightningModule):
         self.model.train()
 
     def setup(self, stage: str) -> None:
-        """Refuse data whose token ids the embedding does not cover, before any step runs.
+        """Refuse data whose token ids the embedding does not cover, or an adapter directory in use, before any step.
 
         Raises:
-            MisconfigurationException: If the datamodule's ``vocab_size`` exceeds the model's.
+            MisconfigurationException: If the datamodule's ``vocab_size`` exceeds the model's, or (when fitting)
+                ``<log_dir>/adapter`` already holds files (NOTE [ Atomic adapter export ] in export.py).
         """
+        if stage == "fit":
+            check_export_target(self._adapter_dir(), overwrite=False, owner="DemoCausalLM")
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         data_vocab = getattr(datamodule, "vocab_size", None)
         if data_vocab is not None and data_vocab > self.hparams.vocab_size:
@@ -333,9 +339,7 @@ class DemoCausalLM(pl.LightningModule):
         """Save the adapter to ``<log_dir>/adapter`` and say where, with the first and last train loss."""
         if not self.trainer.is_global_zero:
             return
-        adapter_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
-        # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
-        self.model.save_pretrained(adapter_dir, save_embedding_layers=False)
+        adapter_dir = export_adapter(self.model, self._adapter_dir())
         summary = f"DemoCausalLM: adapter saved to {adapter_dir}"
         if self._first_train_loss is not None:
             summary += (
@@ -343,6 +347,9 @@ class DemoCausalLM(pl.LightningModule):
                 f" {self.trainer.global_step} steps)"
             )
         rank_zero_info(summary)
+
+    def _adapter_dir(self) -> Path:
+        return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
 
 
 class ProgressionDataset(Dataset):

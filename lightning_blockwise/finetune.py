@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.demo import warmup_cosine
+from lightning_blockwise.export import check_export_target, export_adapter
 from lightning_blockwise.loader import load_blockwise
 from lightning_blockwise.random_init import random_nf4_model
 from lightning_blockwise.strategy import BlockwiseStrategy
@@ -56,7 +57,10 @@ class CausalLMFineTune(pl.LightningModule):
         weight_decay: AdamW weight decay.
         warmup_steps: Optimizer steps of linear warmup before the cosine decay.
         min_lr_ratio: Final learning rate as a fraction of the peak.
-        adapter_dir: Where to export the adapter at the end of fitting; ``None``: ``<log_dir>/adapter``.
+        adapter_dir: Where to export the adapter at the end of fitting; ``None``: ``<log_dir>/adapter``. Written
+            atomically; a directory that already holds files is refused when fitting starts.
+        overwrite_adapter: Replace an adapter already at ``adapter_dir`` (atomically: the old one stays until
+            the new one is complete).
         loader: ``"auto"``: ``load_blockwise`` under ``BlockwiseStrategy``, ``from_pretrained`` otherwise;
             ``"standard"``: always ``from_pretrained`` (e.g. a multimodal checkpoint whose vision tower is
             quantized too, which ``load_blockwise`` refuses); ``"blockwise"``: always ``load_blockwise``.
@@ -86,6 +90,7 @@ class CausalLMFineTune(pl.LightningModule):
         adapter_dir: str | None = None,
         loader: str = "auto",
         random_init: bool = False,
+        overwrite_adapter: bool = False,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -94,7 +99,8 @@ class CausalLMFineTune(pl.LightningModule):
             )
         self.save_hyperparameters()
         self.model: PeftModel | None = None
-        # Checkpoints hold only the adapters (`on_save_checkpoint`); the frozen base comes from `checkpoint`.
+        # Checkpoints hold only the adapters (`BlockwiseStrategy`'s lean checkpoints, or `on_save_checkpoint` under
+        # other strategies); the frozen base comes from `checkpoint`.
         self.strict_loading = False
 
     def configure_model(self) -> None:
@@ -170,20 +176,37 @@ class CausalLMFineTune(pl.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def setup(self, stage: str) -> None:
+        """Refuse, before any training, an adapter directory the export at the end would overwrite."""
+        if stage == "fit":
+            check_export_target(
+                self._adapter_dir(),
+                self.hparams.overwrite_adapter,
+                f"CausalLMFineTune(adapter_dir={self._adapter_dir()})",
+            )
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep only the trainable parameters: the frozen base is the checkpoint directory's, gigabytes not to copy."""
+        """Keep only the trainable parameters: the frozen base is the checkpoint directory's, gigabytes not to copy.
+
+        Under :class:`BlockwiseStrategy` the strategy already decides (NOTE [ Lean checkpoints ] in
+        checkpointing.py, ``save_frozen_base``); elsewhere the module does the same.
+        """
+        if isinstance(self.trainer.strategy, BlockwiseStrategy):
+            return
         trainable = {name for name, param in self.named_parameters() if param.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
     def on_train_end(self) -> None:
-        """Export the adapter as a PEFT directory."""
+        """Export the adapter as a PEFT directory (atomically: NOTE [ Atomic adapter export ] in export.py)."""
         if not self.trainer.is_global_zero:
             return
-        log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
-        adapter_dir = Path(self.hparams.adapter_dir) if self.hparams.adapter_dir else log_dir / "adapter"
-        # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
-        self.model.save_pretrained(adapter_dir, save_embedding_layers=False)
-        rank_zero_info(f"CausalLMFineTune: adapter saved to {adapter_dir}")
+        written = export_adapter(self.model, self._adapter_dir(), overwrite=self.hparams.overwrite_adapter)
+        rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
+
+    def _adapter_dir(self) -> Path:
+        if self.hparams.adapter_dir:
+            return Path(self.hparams.adapter_dir)
+        return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
 
 
 def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:

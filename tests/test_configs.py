@@ -111,11 +111,11 @@ def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str
 def test_loader_choices(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     standard = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", loader="standard")
     with mock.patch("lightning_blockwise.finetune.load_blockwise") as loaded:
-        _fit_finetune(standard, "blockwise", tmp_path)
+        _fit_finetune(standard, "blockwise", tmp_path / "standard")
     assert loaded.call_count == 0
     blockwise_only = CausalLMFineTune(str(checkpoints["llama"]), compute_dtype="float32", loader="blockwise")
     with pytest.raises(MisconfigurationException, match="only `BlockwiseStrategy` trains from"):
-        _fit_finetune(blockwise_only, "auto", tmp_path)
+        _fit_finetune(blockwise_only, "auto", tmp_path / "blockwise-only")
     with pytest.raises(MisconfigurationException, match="choose one of 'auto', 'standard', 'blockwise'"):
         CausalLMFineTune(str(checkpoints["llama"]), loader="fast")
 

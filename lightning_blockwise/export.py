@@ -1,0 +1,88 @@
+"""Writing a trained adapter to disk so that a crash or a second run never destroys a good one.
+
+# NOTE [ Atomic adapter export ]
+# The adapter is the product of a run. It is written into a temporary directory beside the
+# target and renamed into place only once complete, so a crash mid-write leaves the previous
+# adapter (or nothing) at the target, never a half-written one. A target that already holds
+# files is refused unless the caller asks to overwrite, and that refusal is checked when the
+# run starts (`check_export_target`), not when it ends: no run may die at its end with its
+# work unsaved. If the target fills up during the run anyway, the adapter goes to a fresh
+# sibling directory with a warning instead of being lost.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from peft import PeftModel
+
+
+def check_export_target(target: str | Path, overwrite: bool, owner: str) -> None:
+    """Refuse, before training, a target directory that would be overwritten without being asked to.
+
+    Args:
+        target: Where the adapter will be written.
+        overwrite: Whether replacing an existing adapter there is wanted.
+        owner: Who exports, for the message (e.g. ``"CausalLMFineTune(adapter_dir=...)"``).
+
+    Raises:
+        MisconfigurationException: If ``target`` is a file, or a non-empty directory and ``overwrite`` is off.
+    """
+    path = Path(target)
+    if path.exists() and not path.is_dir():
+        raise MisconfigurationException(f"{owner}: {path} is a file, not a directory to write the adapter into.")
+    if not overwrite and _holds_files(path):
+        raise MisconfigurationException(
+            f"{owner}: {path} already holds files, which the adapter export would replace. Choose another"
+            " directory, empty it, or allow replacing it (`overwrite_adapter=True`)."
+        )
+
+
+def export_adapter(model: PeftModel, target: str | Path, overwrite: bool = False) -> Path:
+    """Save ``model``'s PEFT adapter to ``target`` atomically (NOTE [ Atomic adapter export ]).
+
+    Args:
+        model: The PEFT model whose adapter to save.
+        target: The directory to create (or, with ``overwrite``, replace).
+        overwrite: Replace an adapter already at ``target``.
+
+    Returns:
+        Where the adapter was written: ``target``, or a fresh sibling if ``target`` gained files
+        during the run and ``overwrite`` is off.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not overwrite and _holds_files(target):
+        fallback = target.with_name(f"{target.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        rank_zero_warn(
+            f"{target} gained files during the run; the adapter goes to {fallback} instead of replacing them."
+        )
+        target = fallback
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
+        model.save_pretrained(staging, save_embedding_layers=False)
+        if target.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            os.replace(target, retired / target.name)
+            os.replace(staging, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _holds_files(path: Path) -> bool:
+    return path.is_dir() and any(path.iterdir())
+
+
+__all__ = ["check_export_target", "export_adapter"]
