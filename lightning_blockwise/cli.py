@@ -18,11 +18,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from fsspec.utils import get_protocol
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 # Imported for its side effect: registering "blockwise" in Lightning's strategy registry
 # before the parser resolves `trainer.strategy`.
@@ -37,6 +39,10 @@ PLAN_COMMAND = "plan"
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """Parse ``args`` (default: ``sys.argv``), instantiate the Trainer, model and data, and run the subcommand.
 
+    A ``--ckpt_path`` that does not exist is refused before anything is built. The hyperparameters
+    saved in a checkpoint fill in the model arguments that neither a config file nor the command
+    line gives (NOTE [ Checkpoint hyperparameters under the command line ]).
+
     Args:
         args: Command-line arguments, a dict or a namespace; ``None`` reads ``sys.argv[1:]``.
         run: Expect a subcommand (``fit``, ``validate``, ``test``, ``predict``) and run it.
@@ -46,13 +52,18 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     Returns:
         The :class:`~lightning.pytorch.cli.LightningCLI`, with ``trainer``, ``model`` and
         ``datamodule`` attributes.
+
+    Raises:
+        MisconfigurationException: If ``--ckpt_path`` names a local path that does not exist.
     """
-    return LightningCLI(
+    # No `save_config_kwargs={"overwrite": True}`: Lightning then refuses to replace the `config.yaml` of an earlier
+    # run. The CSV and TensorBoard loggers give every run a new `version_<n>` directory (`trainer.log_dir`, where the
+    # config goes), resumed runs included, so only a run into a fixed directory (no logger, or a fixed version)
+    # finds one there.
+    return _BlockwiseCLI(
         # No classes given: the model and data are chosen by `class_path` in the config.
         subclass_mode_model=True,
         subclass_mode_data=True,
-        # Each run's config goes into its log directory; rerunning a config reuses that directory.
-        save_config_kwargs={"overwrite": True},
         parser_kwargs={
             "prog": "lightning-blockwise",
             "description": "Lightning's Trainer command line, with `--trainer.strategy=blockwise` available."
@@ -61,6 +72,66 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         args=args,
         run=run,
     )
+
+
+#: `ckpt_path` values that the Trainer resolves itself, from its checkpoint callbacks or SLURM, rather than paths.
+_CKPT_PATH_NAMES = ("best", "last", "hpc")
+
+
+class _BlockwiseCLI(LightningCLI):
+    """LightningCLI that refuses a missing ``--ckpt_path`` early and lets the command line win over a checkpoint."""
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        # Kept to parse again over a checkpoint's hyperparameters (NOTE [ Checkpoint hyperparameters under the
+        # command line ]).
+        self._given_args = args
+        super().parse_arguments(parser, args)
+
+    # NOTE [ Checkpoint hyperparameters under the command line ]
+    # Given `--ckpt_path`, Lightning 2.6 (`LightningCLI._parse_ckpt_path`) reads the checkpoint's `hyper_parameters`
+    # and merges them over the parsed config, so they override what the command line gives as well:
+    # `fit --ckpt_path last.ckpt --model.init_args.learning_rate=1e-4` would resume at the checkpoint's rate.
+    # Here the model config Lightning merged becomes the default of `model` and the arguments are parsed again,
+    # from the start, so the order is jsonargparse's own with the checkpoint in the place of the defaults:
+    # class defaults < checkpoint < config files < command-line flags. Each argument is applied once (a
+    # `--trainer.callbacks+=...` appends one callback, not two). `tests/test_cli.py` pins this behaviour, so a
+    # Lightning release that renames the private hook fails there rather than silently.
+    @override
+    def _parse_ckpt_path(self) -> None:
+        parsed = self.config
+        super()._parse_ckpt_path()
+        if self.config is parsed:
+            return  # no checkpoint, or one without hyperparameters
+        subcommand = self.config.subcommand
+        self._parser(subcommand).set_defaults({"model": self.config[subcommand].model.as_dict()})
+        super().parse_arguments(self.parser, self._given_args)
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Refuse a ``--ckpt_path`` that does not exist before the model is built: loading a base can take minutes.
+
+        Raises:
+            MisconfigurationException: If ``--ckpt_path`` names a local path that does not exist.
+        """
+        if self.subcommand is None:
+            return
+        ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        if ckpt_path is None or not _is_local_path(str(ckpt_path)) or Path(ckpt_path).exists():
+            return
+        raise MisconfigurationException(
+            f"`lightning-blockwise {self.subcommand} --ckpt_path={ckpt_path}`: the path does not exist. Give a"
+            " checkpoint that a run saved, e.g. `<log_dir>/checkpoints/epoch=0-step=100.ckpt`; nothing was built or"
+            " loaded."
+        )
+
+
+def _is_local_path(ckpt_path: str) -> bool:
+    """Whether ``ckpt_path`` is a local path, not a name the Trainer resolves or a remote URL (``s3://...``)."""
+    # "registry" and "registry:<model>" name a checkpoint in Lightning's model registry.
+    if ckpt_path in _CKPT_PATH_NAMES or ckpt_path.lower().split(":", 1)[0] == "registry":
+        return False
+    return get_protocol(ckpt_path) == "file"
 
 
 def main(args: ArgsType = None) -> None:
@@ -85,6 +156,10 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
 
     Returns:
         The report that ``--json`` prints (sizes in bytes).
+
+    Raises:
+        SystemExit: With a one-line message starting ``lightning-blockwise plan:`` for a bad argument (checked
+            before the config is read), a checkpoint that does not exist, or a plan that cannot work.
     """
     options = _plan_parser().parse_args(sys.argv[2:] if args is None else args)
     try:
@@ -97,8 +172,8 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             dtype=options.dtype,
             block_size=options.block_size,
             prefetch_depth=options.prefetch_depth,
-            vram_budget=None if options.vram_budget is None else parse_bytes(options.vram_budget),
-            gpu_memory=None if options.gpu_memory is None else parse_bytes(options.gpu_memory),
+            vram_budget=options.vram_budget,
+            gpu_memory=options.gpu_memory,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -136,11 +211,26 @@ def plan_report(
         gpu_memory: A card's memory, in bytes, to recommend a budget and block size for.
 
     Raises:
-        MisconfigurationException: If ``block_size`` is out of range or ``vram_budget`` below the minimum.
+        MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
+            out of range or ``vram_budget`` below the minimum.
     """
-    sizes = model_sizes(
-        config, dtype=None if dtype is None else getattr(torch, dtype), lora_rank=lora_rank, targets=targets, dora=dora
-    )
+    try:
+        sizes = model_sizes(
+            config,
+            dtype=None if dtype is None else getattr(torch, dtype),
+            lora_rank=lora_rank,
+            targets=targets,
+            dora=dora,
+        )
+    except ValueError as error:
+        # How `model_sizes` refuses targets the layers lack, and transformers a config it cannot build: the
+        # message stands alone.
+        raise MisconfigurationException(str(error)) from None
+    if block_size > sizes.num_layers:
+        raise MisconfigurationException(
+            f"--block-size {block_size} is more than the {sizes.num_layers} decoder layers of this"
+            f" {sizes.model_type} model; pick 1 to {sizes.num_layers}."
+        )
     residency = sizes.residency(tokens, block_size, prefetch_depth, vram_budget)
     report: dict[str, Any] = {
         "model_type": sizes.model_type,
@@ -180,8 +270,35 @@ def _plan_fields(residency: Any) -> dict[str, Any]:
     }
 
 
+class _PlanParser(argparse.ArgumentParser):
+    """argparse, its errors on one line like the other errors of ``plan``."""
+
+    @override
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one of at least 1.") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1.")
+    return value
+
+
+def _memory_size(text: str) -> int:
+    """An argparse ``type``: a positive memory size such as ``16GiB``, in bytes."""
+    try:
+        return parse_bytes(text)
+    except MisconfigurationException as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _plan_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _PlanParser(
         prog=f"lightning-blockwise {PLAN_COMMAND}",
         description="Predict a blockwise run's host RAM and training-step VRAM peak from a checkpoint's config"
         " (no weights are read): the frozen base as bitsandbytes NF4 with double quantization, fp32 LoRA adapters"
@@ -189,9 +306,9 @@ def _plan_parser() -> argparse.ArgumentParser:
         " CUDA context and the caching allocator need more on the card.",
     )
     parser.add_argument("checkpoint", type=Path, help="A checkpoint directory, or the path of its config.json.")
-    parser.add_argument("--seq-len", type=int, default=2048, help="Tokens per sequence (default: 2048).")
-    parser.add_argument("--batch-size", type=int, default=1, help="Sequences per micro-batch (default: 1).")
-    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default: 16).")
+    parser.add_argument("--seq-len", type=_positive_int, default=2048, help="Tokens per sequence (default: 2048).")
+    parser.add_argument("--batch-size", type=_positive_int, default=1, help="Sequences per micro-batch (default: 1).")
+    parser.add_argument("--lora-rank", type=_positive_int, default=16, help="LoRA rank r (default: 16).")
     parser.add_argument(
         "--targets",
         nargs="+",
@@ -205,11 +322,16 @@ def _plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="Dtype of the unquantized tensors: norms, biases, LM head (default: the config's, else bfloat16).",
     )
-    parser.add_argument("--block-size", type=int, default=1, help="Decoder layers per block (default: 1).")
-    parser.add_argument("--prefetch-depth", type=int, default=2, help="Blocks copied ahead (default: 2).")
-    parser.add_argument("--vram-budget", default=None, help="The strategy's vram_budget, e.g. 16GiB (default: none).")
+    parser.add_argument("--block-size", type=_positive_int, default=1, help="Decoder layers per block (default: 1).")
+    parser.add_argument("--prefetch-depth", type=_positive_int, default=2, help="Blocks copied ahead (default: 2).")
     parser.add_argument(
-        "--gpu-memory", default=None, help="A card's memory, e.g. 24GiB: recommend budget and block size."
+        "--vram-budget", type=_memory_size, default=None, help="The strategy's vram_budget, e.g. 16GiB (default: none)."
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=_memory_size,
+        default=None,
+        help="A card's memory, e.g. 24GiB: recommend budget and block size.",
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
     return parser

@@ -253,12 +253,23 @@ def _default_device() -> torch.device:
 
 
 def _load_config(path: Path) -> Any:
+    """The checkpoint's config, from its directory and never from the network."""
+    if not path.exists():
+        raise MisconfigurationException(
+            f"load_blockwise: `{path}` does not exist; pass a local Hugging Face checkpoint directory (as written by"
+            " `save_pretrained`)."
+        )
+    if not path.is_dir():
+        raise MisconfigurationException(
+            f"load_blockwise: `{path}` is a file; pass the checkpoint directory that holds it and config.json."
+        )
     if not (path / "config.json").is_file():
         raise MisconfigurationException(
             f"load_blockwise: `{path}` has no config.json; pass a local Hugging Face checkpoint directory (as written"
             " by `save_pretrained`)."
         )
-    return AutoConfig.from_pretrained(path)
+    # A path transformers does not find locally must be an error, never a Hub repo id to download.
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def _resolve_quantization(

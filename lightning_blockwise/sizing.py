@@ -163,14 +163,18 @@ def model_sizes(
         config: The model's config (e.g. ``AutoConfig.from_pretrained(checkpoint_dir)``).
         dtype: The dtype of the unquantized tensors; default ``config.dtype``, else bfloat16.
         lora_rank: LoRA rank ``r``; 0 counts no adapters.
-        targets: Names of the decoder layers' linears that get adapters (``q_proj``, ...); default all of them.
+        targets: The decoder layers' linears that get adapters, by the last part of their module names
+            (``q_proj``, ...); default all of them.
         dora: Count DoRA's magnitude vector (one fp32 per output feature) as well.
         double_quant: ``bnb_4bit_use_double_quant``.
 
     Raises:
         MisconfigurationException: If the config has no decoder stack (see
             :func:`~lightning_blockwise.architectures.find_decoder_stack`).
+        ValueError: If ``lora_rank`` is negative or ``targets`` names a linear the decoder layers do not have.
     """
+    if lora_rank < 0:
+        raise ValueError(f"lora_rank={lora_rank} must be at least 0 (0 counts no adapters).")
     dtype = dtype or _config_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -178,6 +182,16 @@ def model_sizes(
     head = model.get_output_embeddings()
     embedding = model.get_input_embeddings()
     wanted = None if targets is None else set(targets)
+    if wanted is not None:
+        # A misspelt name would count no adapter for it, and a plan too small, without a word.
+        linears = {
+            name.rsplit(".", 1)[-1] for name, module in stack.layers.named_modules() if isinstance(module, nn.Linear)
+        }
+        if unknown := sorted(wanted - linears):
+            raise ValueError(
+                f"no linear of the {config.model_type} decoder layers is named {' or '.join(unknown)}; their linears"
+                f" are {', '.join(sorted(linears))}."
+            )
 
     layer_tensors = []
     trainable = 0

@@ -1,18 +1,25 @@
-"""The ``lightning-blockwise`` command: config parsing, the strategy by class path and by name, entry points."""
+"""The ``lightning-blockwise`` command: config parsing, the strategy by class path and by name, entry points,
+``--ckpt_path`` (checked early, hyperparameters under the command line) and the saved ``config.yaml``."""
 
 from __future__ import annotations
 
+import functools
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import build_cli, main
+from lightning_blockwise.demo import DemoCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
@@ -27,6 +34,34 @@ def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 def _into(tmp_path: Path) -> list[str]:
     """Overrides that keep a run's files under ``tmp_path``."""
     return [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+
+
+def _short(tmp_path: Path) -> list[str]:
+    """Overrides for a run of seconds under ``tmp_path``: two steps of two rows, one validation batch, no callbacks."""
+    return [
+        *_into(tmp_path),
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.callbacks=[]",
+        "--trainer.enable_progress_bar=false",
+        "--data.init_args.batch_size=2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint of a two-step fit of the demo, trained with non-default hyperparameters to tell them apart."""
+    root = tmp_path_factory.mktemp("first_run")
+    args = ["fit", "--config", str(DEMO_CONFIG), *_short(root), "--trainer.enable_checkpointing=true"]
+    # Validating at step 2 is what makes the checkpoint callback save (the demo validates every 24 steps).
+    args += ["--trainer.val_check_interval=2", "--model.init_args.learning_rate=0.03"]
+    args += ["--model.init_args.weight_decay=0.1", "--model.init_args.lora_dropout=0.1"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["lightning-blockwise"])
+        build_cli(args)
+    (checkpoint,) = root.rglob("*.ckpt")
+    return checkpoint
 
 
 def test_print_config_keeps_the_strategy_class_path(capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,3 +112,95 @@ def test_python_dash_m_runs_the_cli() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["trainer"]["strategy"]["class_path"] == "lightning_blockwise.BlockwiseStrategy"
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What of the demo model gets made: ``"init"`` per instance, ``"configure_model"`` per base built."""
+    events: list[str] = []
+    init, configure_model = DemoCausalLM.__init__, DemoCausalLM.configure_model
+
+    # `wraps` keeps `__init__`'s signature visible to the CLI parser, which reads the model's arguments from it.
+    @functools.wraps(init)
+    def record_init(self: DemoCausalLM, *args: Any, **kwargs: Any) -> None:
+        events.append("init")
+        init(self, *args, **kwargs)
+
+    @functools.wraps(configure_model)
+    def record_configure(self: DemoCausalLM) -> None:
+        events.append("configure_model")
+        configure_model(self)
+
+    monkeypatch.setattr(DemoCausalLM, "__init__", record_init)
+    monkeypatch.setattr(DemoCausalLM, "configure_model", record_configure)
+    return events
+
+
+def test_demo_config_runs_twice_into_one_directory(tmp_path: Path) -> None:
+    log_dirs = [Path(build_cli(["fit", "--config", str(DEMO_CONFIG), *_short(tmp_path)]).trainer.log_dir) for _ in "ab"]
+    # Each run logs to a version directory of its own (`trainer.log_dir`), and its config goes there.
+    assert log_dirs[0] != log_dirs[1]
+    assert sorted(tmp_path.rglob("config.yaml")) == sorted(log_dir / "config.yaml" for log_dir in log_dirs)
+
+
+def test_an_earlier_config_is_not_overwritten(tmp_path: Path, built: list[str]) -> None:
+    # The control arm of the test above: a run into a directory that already holds a config fails, so the guard is
+    # on, and it fails in the Trainer's setup, before the base is built.
+    earlier = tmp_path / "config.yaml"
+    earlier.write_text("an earlier run's config\n")
+    args = [
+        "validate",
+        "--config",
+        str(DEMO_CONFIG),
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=false",
+    ]
+    with pytest.raises(RuntimeError, match=r"expected .*config\.yaml to NOT exist"):
+        build_cli(args)
+    assert earlier.read_text() == "an earlier run's config\n"
+    assert built == ["init"]
+
+
+def test_resume_writes_its_config_into_a_new_version(first_run: Path) -> None:
+    root, first_log_dir = first_run.parents[3], first_run.parents[1]
+    first_config = (first_log_dir / "config.yaml").read_text()
+    args = ["fit", "--config", str(DEMO_CONFIG), *_short(root), f"--ckpt_path={first_run}"]
+    cli = build_cli([*args, "--trainer.max_steps=3"])
+    assert cli.trainer.ckpt_path == str(first_run) and cli.trainer.global_step == 3
+    log_dir = Path(cli.trainer.log_dir)
+    assert log_dir.parent == first_log_dir.parent and log_dir != first_log_dir
+    assert yaml.safe_load((log_dir / "config.yaml").read_text())["ckpt_path"] == str(first_run)
+    assert (first_log_dir / "config.yaml").read_text() == first_config
+
+
+def test_command_line_wins_over_checkpoint_hyperparameters(first_run: Path, tmp_path: Path) -> None:
+    # The checkpoint was trained with learning_rate 0.03, weight_decay 0.1 and lora_dropout 0.1. This config leaves
+    # lora_dropout out (the class default is 0.05) and gives weight_decay 0.0; the command line gives learning_rate.
+    config = yaml.safe_load(DEMO_CONFIG.read_text())
+    del config["model"]["init_args"]["lora_dropout"]
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(config))
+    args = ["validate", "--config", str(tmp_path / "demo.yaml"), *_short(tmp_path)]
+    args += [f"--ckpt_path={first_run}", "--model.init_args.learning_rate=0.5"]
+    # An argument that appends: parsed again over the checkpoint, it must still append once.
+    cli = build_cli([*args, "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor"])
+    hparams = cli.model.hparams
+    assert hparams.learning_rate == 0.5  # the command line over the checkpoint
+    assert hparams.weight_decay == 0.0  # the config file over the checkpoint
+    assert hparams.lora_dropout == 0.1  # the checkpoint over the class default: its hyperparameters are read
+    assert sum(isinstance(callback, LearningRateMonitor) for callback in cli.trainer.callbacks) == 1
+    saved = yaml.safe_load((Path(cli.trainer.log_dir) / "config.yaml").read_text())["model"]["init_args"]
+    assert (saved["learning_rate"], saved["weight_decay"], saved["lora_dropout"]) == (0.5, 0.0, 0.1)
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
+def test_missing_ckpt_path_is_refused_before_the_model_is_built(
+    tmp_path: Path, built: list[str], subcommand: str
+) -> None:
+    missing = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    args = [subcommand, "--config", str(DEMO_CONFIG), *_into(tmp_path), f"--ckpt_path={missing}"]
+    with pytest.raises(MisconfigurationException, match=re.escape(f"--ckpt_path={missing}`: the path does not exist")):
+        build_cli(args)
+    assert built == []
+    # Control arm: the recorder sees a model that is made.
+    build_cli(["--config", str(DEMO_CONFIG), *_into(tmp_path)], run=False)
+    assert built == ["init"]

@@ -166,10 +166,15 @@ def test_host_copy_is_the_arena(saved: dict[str, Path]) -> None:
     assert [predict_block_bytes(layers[r.start : r.stop]) for r in copy.layer_ranges] == [
         layout.nbytes for layout in copy.layouts
     ]
-    storage = copy.arena.storage.untyped_storage().data_ptr()
+    arena = copy.arena.storage
     for layer in layers:
         for param in layer.parameters():
-            assert param.untyped_storage().data_ptr() == storage
+            # NOTE [ One storage per slab entry ] in host.py: a storage of its own, inside the arena.
+            start = param.untyped_storage().data_ptr()
+            assert (
+                arena.data_ptr() <= start
+                and start + param.untyped_storage().nbytes() <= arena.data_ptr() + arena.numel()
+            )
         assert not any(param.requires_grad for param in layer.parameters())
 
 
@@ -278,6 +283,13 @@ def test_missing_checkpoint_files(saved: dict[str, Path], tmp_path: Path) -> Non
         _load(path, torch.float32)
     with pytest.raises(MisconfigurationException, match=r"no config\.json"):
         _load(tmp_path, torch.float32)
+
+
+def test_missing_path_says_it_does_not_exist(saved: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(MisconfigurationException, match=r"`.*missing` does not exist; pass a local Hugging Face"):
+        _load(tmp_path / "missing", torch.float32)
+    with pytest.raises(MisconfigurationException, match=r"config\.json` is a file; pass the checkpoint directory"):
+        _load(saved["llama-bf16"] / "config.json", torch.float32)
 
 
 def test_truncated_shard(saved: dict[str, Path], tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import transformers
 from bitsandbytes.nn import Params4bit
 
 from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
-from lightning_blockwise.cli import main, plan_report
+from lightning_blockwise.cli import main, plan, plan_report
 from lightning_blockwise.host import layout_block
 from lightning_blockwise.plan import StepShape
 from lightning_blockwise.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
@@ -161,3 +162,61 @@ def test_plan_help_through_the_console_entry() -> None:
 def test_sizes_are_a_dataclass_of_the_config() -> None:
     sizes = model_sizes(_tiny_llama(), dtype=torch.float32, lora_rank=0)
     assert isinstance(sizes, ModelSizes) and sizes.trainable_bytes == 0 and sizes.num_layers == 4
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--seq-len", "0", "argument --seq-len: 0 must be at least 1"),
+        ("--batch-size", "-2", "argument --batch-size: -2 must be at least 1"),
+        ("--lora-rank", "0", "argument --lora-rank: 0 must be at least 1"),
+        ("--block-size", "0", "argument --block-size: 0 must be at least 1"),
+        ("--prefetch-depth", "0", "argument --prefetch-depth: 0 must be at least 1"),
+        ("--seq-len", "2k", "argument --seq-len: '2k' is not a whole number"),
+        ("--vram-budget", "0GiB", "argument --vram-budget: The memory size '0GiB' must be positive"),
+        ("--vram-budget", "sixteen", "argument --vram-budget: Cannot read 'sixteen' as a memory size"),
+        ("--gpu-memory", "-24GiB", "argument --gpu-memory: The memory size '-24GiB' must be positive"),
+        ("--gpu-memory", "inf", "argument --gpu-memory: Cannot read 'inf' as a memory size: it is not finite"),
+    ],
+)
+def test_plan_refuses_bad_numbers_before_reading_the_config(
+    tmp_path: Path, flag: str, value: str, message: str
+) -> None:
+    # The checkpoint does not exist either: the flag's error coming first shows it is checked before any work.
+    with pytest.raises(SystemExit, match=f"^lightning-blockwise plan: {re.escape(message)}") as exit_info:
+        main(["plan", str(tmp_path / "missing"), f"{flag}={value}"])
+    assert "\n" not in str(exit_info.value)
+
+
+def test_plan_refuses_targets_the_decoder_layers_do_not_have(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _tiny_llama().save_pretrained(tmp_path / "llama")
+    CONFIGS["phi3"]().save_pretrained(tmp_path / "phi3")
+    llama_linears = "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+    with pytest.raises(SystemExit, match=re.escape(f"is named q_prj; their linears are {llama_linears}.")):
+        main(["plan", str(tmp_path / "llama"), "--targets", "q_prj", "v_proj"])
+    # The valid names are the config's: Phi-3 fuses q/k/v and gate/up.
+    with pytest.raises(SystemExit, match=re.escape("are down_proj, gate_up_proj, o_proj, qkv_proj.")):
+        main(["plan", str(tmp_path / "phi3"), "--targets", "q_proj"])
+    # A qualified name is not how the targets are matched.
+    with pytest.raises(SystemExit, match=r"is named self_attn\.q_proj;"):
+        main(["plan", str(tmp_path / "llama"), "--targets", "self_attn.q_proj"])
+    # Control arm: names the layers have are planned for, with fewer adapters than all of them.
+    capsys.readouterr()
+    some = plan([str(tmp_path / "llama"), "--targets", "q_proj", "v_proj", "--json"])
+    every = plan([str(tmp_path / "llama"), "--json"])
+    assert 0 < some["adapter_bytes"] < every["adapter_bytes"]
+
+
+def test_plan_refuses_a_block_larger_than_the_model(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=r"--block-size 5 is more than the 4 decoder layers of this llama model"):
+        main(["plan", str(tmp_path), "--block-size", "5"])
+
+
+def test_model_sizes_refuses_unknown_targets_and_negative_ranks() -> None:
+    with pytest.raises(ValueError, match=r"no linear of the llama decoder layers is named q_prj or w_proj;"):
+        model_sizes(_tiny_llama(), targets=["w_proj", "q_proj", "q_prj"])
+    with pytest.raises(ValueError, match="lora_rank=-1 must be at least 0"):
+        model_sizes(_tiny_llama(), lora_rank=-1)

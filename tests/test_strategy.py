@@ -257,7 +257,7 @@ def test_error_torch_compile_is_refused_before_packing(how: str, monkeypatch: py
         target: Any = module
     else:
         target = torch.compile(module)
-    with pytest.raises(MisconfigurationException, match="does not support `torch.compile`"):
+    with pytest.raises(MisconfigurationException, match=r"does not support `torch\.compile`"):
         trainer("blockwise").fit(target, loader(padded_batches(2)))
     assert not packed
 
