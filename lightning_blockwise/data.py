@@ -12,6 +12,8 @@ Example::
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 #: The ignore index of the Hugging Face causal-LM loss: no loss where a label is -100.
@@ -29,6 +32,11 @@ IGNORE_INDEX = -100
 #: The prompt format for tokenizers without a chat template (Alpaca's).
 _ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 _ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+#: What a data file must hold, for the error messages.
+_FORMAT = (
+    "Give a JSON list of objects or one JSON object per line, each with `instruction`, optional `input`, and `output`."
+)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -54,29 +62,75 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 def load_records(path: str | Path) -> list[dict[str, Any]]:
     """Instruction records from a JSON file (a list of objects) or a JSONL file (one object per line).
 
+    The file is UTF-8, a leading byte-order mark allowed. Each record has string fields
+    ``instruction`` and ``output``, and optionally ``input``: a string, ``null`` or absent.
+
+    Args:
+        path: The JSON or JSONL file.
+
     Raises:
-        MisconfigurationException: If the file holds neither.
+        MisconfigurationException: If the file is not UTF-8, holds neither JSON nor JSONL (naming the line), or a
+            record is not an object with those fields (naming the JSONL line, or the JSON record's index).
     """
-    text = Path(path).read_text(encoding="utf-8")
+    path = Path(path)
     try:
-        # A JSON file is one document; JSONL is one per non-empty line (a one-line JSONL is both).
-        records = (
-            json.loads(text)
-            if text.lstrip().startswith("[")
-            else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-        )
+        # `utf-8-sig` drops a leading byte-order mark (Windows editors write one), which `json` would refuse.
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise MisconfigurationException(
+            f"InstructionDataModule: {path} is not UTF-8 (byte {error.start}: {error.reason}). Save it as UTF-8,"
+            " e.g. `iconv -f <its encoding> -t utf-8`."
+        ) from None
+    # A JSON file is one document; JSONL is one per non-empty line (a one-line JSONL is both).
+    located = _parse_json(text, path) if text.lstrip().startswith("[") else _parse_jsonl(text, path)
+    for where, record in located:
+        _check_record(record, where, path)
+    return [record for _, record in located]
+
+
+def _parse_json(text: str, path: Path) -> list[tuple[str, Any]]:
+    try:
+        records = json.loads(text)
     except json.JSONDecodeError as error:
         raise MisconfigurationException(
-            f"InstructionDataModule: cannot read {path} as JSON or JSONL ({error}). Give a JSON list of objects or"
-            " one JSON object per line, each with `instruction`, optional `input`, and `output`."
+            f"InstructionDataModule: cannot read {path} as JSON: line {error.lineno}, column {error.colno}:"
+            f" {error.msg}. {_FORMAT}"
         ) from None
-    for index, record in enumerate(records):
-        if not isinstance(record, dict) or "instruction" not in record or "output" not in record:
+    return [(f"record {index} (counting from 0)", record) for index, record in enumerate(records)]
+
+
+def _parse_jsonl(text: str, path: Path) -> list[tuple[str, Any]]:
+    located = []
+    # Split on "\n" only: `str.splitlines` also splits on U+2028 and other separators that JSON strings may hold
+    # raw, which would cut a record in two and miscount the lines. A "\r" left by "\r\n" is JSON whitespace.
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            located.append((f"line {number}", json.loads(line)))
+        except json.JSONDecodeError as error:
             raise MisconfigurationException(
-                f"InstructionDataModule: record {index} of {path} needs string fields `instruction` and `output`"
-                f" (and optionally `input`), got {str(record)[:100]!r}."
+                f"InstructionDataModule: cannot read {path} as JSONL: line {number}, column {error.colno}:"
+                f" {error.msg}. {_FORMAT}"
+            ) from None
+    return located
+
+
+def _check_record(record: Any, where: str, path: Path) -> None:
+    if not isinstance(record, dict) or "instruction" not in record or "output" not in record:
+        raise MisconfigurationException(
+            f"InstructionDataModule: {where} of {path} needs string fields `instruction` and `output`"
+            f" (and optionally `input`), got {str(record)[:100]!r}."
+        )
+    # A null or a number would otherwise be formatted into the prompt and trained on as the text "None" or "3".
+    for field in ("instruction", "output", "input"):
+        value = record.get(field)
+        if not isinstance(value, str) and not (field == "input" and value is None):
+            allowed = "a string, null or absent" if field == "input" else "a string"
+            raise MisconfigurationException(
+                f"InstructionDataModule: {where} of {path} has `{field}` = {json.dumps(value)[:100]}, which must be"
+                f' {allowed}. Write it as a JSON string ("" when empty).'
             )
-    return records
 
 
 def encode(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict[str, list[int]]:
@@ -160,6 +214,126 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+# NOTE [ Resumable data order ]
+#
+# A run resumed from a checkpoint must train on the batches the uninterrupted run would have trained on next: the
+# rest of the interrupted epoch, then every later epoch in the same order. A `DataLoader` that shuffles with a
+# generator seeded afresh in `train_dataloader()` replays epoch 0 from its first batch after any resume. Four things
+# make the order resumable (tests/test_data.py resumes `Trainer.fit` from each kind of checkpoint named here):
+#
+# 1. An epoch's order is a function of `seed` and the epoch number alone (`_EpochOrder`: a permutation from a
+#    generator seeded with `seed + epoch`, `DistributedSampler`'s rule), not of a generator's state carried from
+#    epoch to epoch. Lightning calls the sampler's `set_epoch` with the fit loop's epoch, restored from the
+#    checkpoint, at the start of every epoch. That covers the commonest checkpoint, saved at the end of an epoch:
+#    Lightning resumes it as a fresh epoch and does not hand the loader its saved state at all.
+# 2. The training loader is torchdata's `StatefulDataLoader`, and the sampler's iterator saves its epoch and the rows
+#    it has yielded. Lightning saves a training loader's `state_dict()` in the checkpoint's fit-loop state and, when
+#    it resumes mid-epoch, hands it back through `load_state_dict`: the loader goes on after the last batch trained.
+# 3. A saved position resumes only if its epoch is the one the sampler is at when the first row is asked for, so a
+#    position in an epoch that is over starts the next epoch instead. A checkpoint saved after an epoch's last batch
+#    (`ModelCheckpoint(every_n_train_steps=...)`, also with `limit_train_batches`) holds such a position; Lightning
+#    starts the next epoch on it, and a loader that resumed the finished epoch would yield its leftover rows, or no
+#    batch at all, so that Lightning would count an empty epoch and train one epoch less. The epoch is read at the
+#    first row, not at `iter()`, because Lightning calls `iter()` (in `FitLoop.setup_data`) before `set_epoch`.
+# 4. No loader draws from the global RNG, which also drives dropout. `_BaseDataLoaderIter.__init__`
+#    (torch/utils/data/dataloader.py) draws a base seed for the workers from `loader.generator` on every
+#    `iter(loader)`, even for an unshuffled loader without workers, and from `torch`'s global RNG when the loader has
+#    no generator: each validation pass (the sanity check too) would shift the dropout masks of the training steps
+#    after it, and training would depend on when validation runs. Every loader here has a generator of its own.
+#
+# Not restored: the loader's generator. With `num_workers > 0` the workers of a resumed epoch get their saved base
+# seed back, but those of later epochs are seeded differently from the uninterrupted run's. Nothing here draws random
+# numbers in workers (rows are encoded in `setup`, the collator is deterministic), so the batches are the same.
+
+
+class _EpochOrder(Sampler[int]):
+    """Row order of each epoch: a permutation drawn from ``seed + epoch`` when shuffled, else ``0 .. size - 1``.
+
+    ``epoch`` moves on when an epoch's last row is drawn, and Lightning sets it at every epoch start through
+    :meth:`set_epoch`. See NOTE [ Resumable data order ].
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool) -> None:
+        super().__init__()
+        self.size = size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> _EpochOrderIterator:
+        return _EpochOrderIterator(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Order the next epoch begun as epoch ``epoch``."""
+        self.epoch = epoch
+
+    def rows(self, epoch: int) -> list[int]:
+        """The rows of epoch ``epoch``, in order."""
+        if not self.shuffle:
+            return list(range(self.size))
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch to begin next."""
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a :meth:`state_dict`."""
+        self.epoch = state["epoch"]
+
+
+class _EpochOrderIterator(Iterator[int]):
+    def __init__(self, order: _EpochOrder) -> None:
+        self.order = order
+        self.epoch: int | None = None
+        self.rows: list[int] | None = None
+        self.yielded = 0
+
+    def __next__(self) -> int:
+        if self.rows is None:
+            # The epoch is the sampler's at the first row, not at `iter()`, and a loaded position counts only if it
+            # is in that epoch: NOTE [ Resumable data order ], point 3.
+            if self.epoch != self.order.epoch:
+                self.epoch, self.yielded = self.order.epoch, 0
+            self.rows = self.order.rows(self.epoch)
+        if self.yielded == len(self.rows):
+            raise StopIteration
+        row = self.rows[self.yielded]
+        self.yielded += 1
+        if self.yielded == len(self.rows):
+            # The epoch is over with its last row, whether or not the loader asks for one more.
+            self.order.epoch = self.epoch + 1
+        return row
+
+    def state_dict(self) -> dict[str, int | None]:
+        """The epoch (``None`` before the first row) and the rows yielded."""
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int | None]) -> None:
+        """Go on from a :meth:`state_dict`, if its epoch is still the sampler's at the next row."""
+        self.epoch, self.yielded, self.rows = state["epoch"], state["yielded"], None
+
+
+def _train_loader(dataset: Dataset, batch_size: int, seed: int, shuffle: bool, **kwargs: Any) -> StatefulDataLoader:
+    sampler = _EpochOrder(len(dataset), seed, shuffle)
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls `torch.set_vital`, which torch deprecates; the warning is not the user's to act on.
+        warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
+        # The generator only seeds workers: NOTE [ Resumable data order ], point 4.
+        return StatefulDataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **kwargs
+        )
+
+
+def _eval_loader(dataset: Dataset | None, batch_size: int, seed: int, **kwargs: Any) -> DataLoader:
+    # In order, yet with a generator of its own: `iter()` draws the workers' base seed from the loader's generator,
+    # else from the global RNG (NOTE [ Resumable data order ], point 4).
+    return DataLoader(dataset, batch_size=batch_size, generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
 class InstructionDataModule(pl.LightningDataModule):
     """Alpaca-style instruction pairs (JSON or JSONL with ``instruction``, ``input``, ``output``), loss on responses.
 
@@ -232,31 +406,31 @@ class InstructionDataModule(pl.LightningDataModule):
             f" {hp.path}; {self.dropped} dropped (fewer than two response tokens within max_length={hp.max_length})."
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches, in an order fixed by ``seed``."""
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Shuffled training batches, in an order fixed by ``seed``; a checkpoint resumes it mid-epoch.
+
+        See NOTE [ Resumable data order ] in this module.
+        """
+        hp = self.hparams
+        return _train_loader(self.train_set, hp.batch_size, hp.seed, shuffle=True, **self._loader_options())
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in order."""
-        return self._loader(self.val_set)
+        return self._validation_loader()
 
     def test_dataloader(self) -> DataLoader:
         """The validation batches, to test on."""
-        return self._loader(self.val_set)
+        return self._validation_loader()
 
     def predict_dataloader(self) -> DataLoader:
         """The validation batches, to predict on."""
-        return self._loader(self.val_set)
+        return self._validation_loader()
 
-    def _loader(self, rows: _Rows | None, shuffle: bool = False) -> DataLoader:
-        return DataLoader(
-            rows,
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.hparams.seed) if shuffle else None,
-            collate_fn=PadCollator(self.tokenizer.pad_token_id),
-            num_workers=self.hparams.num_workers,
-        )
+    def _validation_loader(self) -> DataLoader:
+        return _eval_loader(self.val_set, self.hparams.batch_size, self.hparams.seed, **self._loader_options())
+
+    def _loader_options(self) -> dict[str, Any]:
+        return {"collate_fn": PadCollator(self.tokenizer.pad_token_id), "num_workers": self.hparams.num_workers}
 
 
 class _RandomTokens(Dataset):
@@ -298,16 +472,17 @@ class SyntheticTokensDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.vocab_size = vocab_size
 
-    def train_dataloader(self) -> DataLoader:
-        """Training batches in a fixed order."""
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Training batches in a fixed order, resumed mid-epoch from checkpoints (NOTE [ Resumable data order ])."""
         hp = self.hparams
-        return DataLoader(_RandomTokens(hp.num_samples, hp.seq_len, hp.vocab_size, hp.seed), batch_size=hp.batch_size)
+        data = _RandomTokens(hp.num_samples, hp.seq_len, hp.vocab_size, hp.seed)
+        return _train_loader(data, hp.batch_size, hp.seed, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches from another seed."""
         hp = self.hparams
         data = _RandomTokens(max(1, hp.num_samples // 10), hp.seq_len, hp.vocab_size, hp.seed + 1)
-        return DataLoader(data, batch_size=hp.batch_size)
+        return _eval_loader(data, hp.batch_size, hp.seed + 1)
 
 
 __all__ = [

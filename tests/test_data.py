@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.data import (
@@ -166,3 +169,225 @@ def test_synthetic_tokens() -> None:
     assert torch.equal(again["input_ids"], batch["input_ids"])
     with pytest.raises(MisconfigurationException, match="seq_len >= 2"):
         SyntheticTokensDataModule(seq_len=1)
+
+
+# Data errors: the file, the line (or record) and the field are named.
+
+
+def test_bad_jsonl_line_is_named_by_its_line_in_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.jsonl"
+    # Line 1 holds a raw U+2028 inside a string: a line break for `str.splitlines`, not for JSONL. Line 2 is blank.
+    lines = [json.dumps({"instruction": "a\u2028b", "output": "ok"}, ensure_ascii=False), "", '{"instruction": "x",']
+    bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(MisconfigurationException, match=r"broken\.jsonl as JSONL: line 3, column"):
+        load_records(bad)
+    bad.write_text("\n".join(lines[:2]) + "\n", encoding="utf-8")
+    assert load_records(bad) == [{"instruction": "a\u2028b", "output": "ok"}]
+
+
+def test_bad_json_names_the_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.json"
+    bad.write_text('[\n {"instruction": "x", "output": "y"}\n {"instruction": "z"}\n]\n', encoding="utf-8")
+    with pytest.raises(MisconfigurationException, match=r"broken\.json as JSON: line 3, column 2: Expecting ','"):
+        load_records(bad)
+
+
+def test_non_utf8_file_is_refused_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps({"instruction": "café", "output": "x"}, ensure_ascii=False).encode("latin-1"))
+    with pytest.raises(MisconfigurationException, match=r"latin1\.jsonl is not UTF-8"):
+        load_records(bad)
+
+
+@pytest.mark.parametrize("jsonl", [True, False])
+def test_byte_order_mark_is_accepted(tmp_path: Path, jsonl: bool) -> None:
+    path = _write(tmp_path / ("d.jsonl" if jsonl else "d.json"), RECORDS, jsonl)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_records(path) == RECORDS
+
+
+@pytest.mark.parametrize(
+    ("jsonl", "record", "where"),
+    [
+        (True, {"instruction": "x", "output": None}, r"line 3 of .*d\.jsonl has `output` = null, which must be a str"),
+        (True, {"instruction": 7, "output": "y"}, r"line 3 of .*d\.jsonl has `instruction` = 7"),
+        (True, {"instruction": "x", "input": ["a"], "output": "y"}, r"line 3 .* `input` = \[\"a\"\].*string, null"),
+        (False, {"instruction": "x", "output": None}, r"record 1 \(counting from 0\) of .*d\.json has `output`"),
+    ],
+)
+def test_non_string_fields_are_refused(tmp_path: Path, jsonl: bool, record: dict, where: str) -> None:
+    path = _write(tmp_path / ("d.jsonl" if jsonl else "d.json"), [RECORDS[0], record], jsonl)
+    if jsonl:  # a blank line 2 puts the bad record on line 3
+        path.write_text(path.read_text(encoding="utf-8").replace("\n", "\n\n", 1), encoding="utf-8")
+    with pytest.raises(MisconfigurationException, match=where):
+        load_records(path)
+
+
+def test_null_input_is_accepted(tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.jsonl", [{"instruction": "Say hi.", "input": None, "output": "hi"}], jsonl=True)
+    (record,) = load_records(path)
+    text = byte_tokenizer().decode(encode(record, byte_tokenizer(), max_length=512)["input_ids"])
+    assert text == "<s>### Instruction:\nSay hi.\n\n### Response:\nhi</s>"
+
+
+def test_jsonl_record_that_is_not_an_object_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n[1, 2]\n", encoding="utf-8")
+    with pytest.raises(MisconfigurationException, match=r"line 2 of .*d\.jsonl needs string fields"):
+        load_records(path)
+
+
+# Resumable data order: see NOTE [ Resumable data order ] in lightning_blockwise/data.py.
+
+
+def _numbered(path: Path, count: int = 22) -> Path:
+    return _write(path, [{"instruction": f"n{i}", "output": f"{i:03d}"} for i in range(count)], jsonl=True)
+
+
+def _instruction_data(path: Path) -> InstructionDataModule:
+    data = InstructionDataModule(str(path), batch_size=4, val_fraction=0.0, seed=5)
+    data.setup("fit")
+    return data
+
+
+def _stream(loader: object, count: int) -> list[dict[str, torch.Tensor]]:
+    """The next ``count`` batches, epoch after epoch."""
+    batches: list[dict[str, torch.Tensor]] = []
+    while len(batches) < count:
+        batches += list(loader)[: count - len(batches)]
+    return batches
+
+
+def _same(left: list[dict[str, torch.Tensor]], right: list[dict[str, torch.Tensor]]) -> bool:
+    return len(left) == len(right) and all(
+        a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a) for a, b in zip(left, right, strict=True)
+    )
+
+
+@pytest.mark.parametrize("k", [0, 2, 6])
+def test_train_loader_state_resumes_the_order_across_epochs(tmp_path: Path, k: int) -> None:
+    path = _numbered(tmp_path / "d.jsonl")
+    per_epoch = len(_instruction_data(path).train_dataloader())
+    assert per_epoch == 6
+    reference = _stream(_instruction_data(path).train_dataloader(), 4 * per_epoch)
+    epoch0, epoch1 = reference[:per_epoch], reference[per_epoch : 2 * per_epoch]
+    assert not _same(epoch0, epoch1), "every epoch has an order of its own"
+
+    # One whole epoch, then k batches of the next (k = 6: all of it, without the final StopIteration).
+    interrupted = _instruction_data(path).train_dataloader()
+    list(interrupted)
+    batches = iter(interrupted)
+    for _ in range(k):
+        next(batches)
+    buffer = io.BytesIO()
+    torch.save(interrupted.state_dict(), buffer)  # as in a checkpoint, loaded back as Lightning does
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+
+    resumed = _instruction_data(path).train_dataloader()
+    resumed.load_state_dict(state)
+    cut = per_epoch + k
+    assert _same(_stream(resumed, 2 * per_epoch), reference[cut : cut + 2 * per_epoch])
+    # Control: without the state, a fresh loader starts over at epoch 0.
+    fresh = _stream(_instruction_data(path).train_dataloader(), 2 * per_epoch)
+    assert _same(fresh, reference[: 2 * per_epoch]) and not _same(fresh, reference[cut : cut + 2 * per_epoch])
+
+
+def test_synthetic_train_loader_resumes_mid_epoch() -> None:
+    def loader() -> object:
+        return SyntheticTokensDataModule(seq_len=4, vocab_size=50, num_samples=10, batch_size=3).train_dataloader()
+
+    reference = _stream(loader(), 8)
+    interrupted = loader()
+    batches = iter(interrupted)
+    next(batches), next(batches)
+    resumed = loader()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert _same(_stream(resumed, 6), reference[2:8])
+    assert not _same(_stream(loader(), 6), reference[2:8])  # control: a fresh loader starts over
+
+
+def test_loaders_leave_the_global_rng_alone(tmp_path: Path) -> None:
+    data = InstructionDataModule(str(_numbered(tmp_path / "d.jsonl")), batch_size=4, val_fraction=0.25)
+    data.setup("fit")
+    synthetic = SyntheticTokensDataModule(seq_len=4, vocab_size=50, num_samples=20, batch_size=2)
+    makers = [
+        data.train_dataloader,
+        data.val_dataloader,
+        data.test_dataloader,
+        data.predict_dataloader,
+        synthetic.train_dataloader,
+        synthetic.val_dataloader,
+    ]
+    for make in makers:
+        before = torch.get_rng_state()
+        loader = make()
+        for _ in range(2):  # two epochs: each `iter()` draws a base seed
+            next(iter(loader))
+        assert torch.equal(torch.get_rng_state(), before), make.__qualname__
+    # Control: a loader without a generator of its own draws its base seed from the global RNG.
+    before = torch.get_rng_state()
+    next(iter(torch.utils.data.DataLoader(range(4))))
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+class _Recorder(pl.LightningModule):
+    """Records the batches it trains on, with their epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[tuple[int, list[list[int]]]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.seen.append((self.current_epoch, batch["input_ids"].tolist()))
+        return self.weight.square()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(
+    path: Path, root: Path, checkpoint: dict | None = None, ckpt_path: str | None = None, **trainer: object
+) -> list:
+    module = _Recorder()
+    fitter = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[] if checkpoint is None else [ModelCheckpoint(root, "{step}", save_top_k=-1, **checkpoint)],
+        enable_checkpointing=checkpoint is not None,
+        default_root_dir=root,
+        **trainer,
+    )
+    data = InstructionDataModule(str(path), batch_size=4, val_fraction=0.1, seed=5)
+    fitter.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return module.seen
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+@pytest.mark.parametrize(
+    ("checkpoint", "step", "per_epoch"),
+    [
+        ({"every_n_train_steps": 4}, 8, 6),  # mid-epoch 1: Lightning hands the loader its state
+        ({"every_n_train_steps": 6}, 6, 6),  # after the last batch of epoch 0: the state has every row yielded
+        ({"every_n_train_steps": 4}, 4, 4),  # after the last batch of epoch 0 cut short by `limit_train_batches`
+        ({}, 6, 6),  # at the end of epoch 0, after validation: Lightning does not restore the loader's state
+    ],
+)
+def test_fit_resumed_from_a_checkpoint_trains_on_the_same_batches(
+    tmp_path: Path, checkpoint: dict, step: int, per_epoch: int
+) -> None:
+    path = _numbered(tmp_path / "d.jsonl", count=23)  # 21 training rows: 6 batches an epoch
+    reference = _fit(path, tmp_path / "run", checkpoint, limit_train_batches=per_epoch)
+    assert [epoch for epoch, _ in reference] == [0] * per_epoch + [1] * per_epoch + [2] * per_epoch
+    ckpt_path = str(tmp_path / "run" / f"step={step}.ckpt")
+    assert _fit(path, tmp_path / "resumed", ckpt_path=ckpt_path, limit_train_batches=per_epoch) == reference[step:]
+    # Control: the epochs differ, so a resume that replayed epoch 0 would have been caught.
+    assert [batch for _, batch in reference[:per_epoch]] != [batch for _, batch in reference[per_epoch : 2 * per_epoch]]
