@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,12 +159,138 @@ def is_quantization_metadata(key: str) -> bool:
     return key.endswith((".quant_map", ".nested_quant_map", f".{_BNB_JSON}"))
 
 
+class FrozenBase:
+    """The frozen base of a module set up for blockwise training, as checkpoints see it.
+
+    Knows which state-dict keys are the base (:class:`BaseKeys`), its fingerprint, and how to
+    read and write its decoder tensors in the host copy (:class:`HostViews`). Built after the
+    decoder layers were packed into the arena and before any block is bound to the device.
+
+    Args:
+        module: The LightningModule.
+        base_model: The Hugging Face model inside it.
+        layouts: Every block's layout.
+        slabs: Every block's slab in the host arena.
+    """
+
+    def __init__(
+        self, module: nn.Module, base_model: nn.Module, layouts: Iterable[BlockLayout], slabs: Iterable[Tensor]
+    ) -> None:
+        self.module = module
+        self.base_model = base_model
+        self._layouts = list(layouts)
+        self._slabs = list(slabs)
+        self.keys = BaseKeys.of(module, base_model)
+        self.fingerprint = self._fingerprint()
+
+    def checkpoint_state(self, state: dict[str, Any], include_base: bool) -> dict[str, Any]:
+        """``module.state_dict()`` as a checkpoint holds it (NOTE [ Lean checkpoints ])."""
+        if not include_base:
+            return {key: value for key, value in state.items() if key not in self.keys.frozen}
+        host = self._host()
+        return {key: _prefer(host.get(value), value) for key, value in state.items()}
+
+    def has_base(self, state: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint's state dict carries (some of) the frozen base."""
+        return any(key in self.keys.frozen for key in state)
+
+    def check_loadable(self, state: Mapping[str, Any], saved_fingerprint: str | None) -> None:
+        """Refuse a lean checkpoint of another base, and one that lacks trainable parameters.
+
+        Raises:
+            ValueError: With the reason and the fix.
+        """
+        if not self.has_base(state) and saved_fingerprint is not None and saved_fingerprint != self.fingerprint:
+            raise ValueError(
+                f"the checkpoint was written over another frozen base (its fingerprint {saved_fingerprint[:12]}..."
+                f" differs from this model's {self.fingerprint[:12]}...: another config, other weights or another"
+                " quantization). Load the base the checkpoint was trained on, or save checkpoints with"
+                " `BlockwiseStrategy(save_frozen_base=True)` to carry the base along."
+            )
+        missing = sorted(self.keys.trainable - state.keys())
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} trainable parameters of the module (e.g. `{missing[0]}`), which"
+                " would start again from their initial values. Resume with the adapter configuration (targets,"
+                " rank) the checkpoint was trained with."
+            )
+
+    def load_into_host(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Write a checkpoint's frozen decoder tensors into the host copy; return the rest to load as usual.
+
+        The host arena is the only authoritative copy of the decoder layers' frozen tensors, so they
+        are written there, never into a device slot a block happens to be bound to. bitsandbytes'
+        metadata entries are consumed (the nested offsets they carry included). Call
+        :meth:`refresh` once the rest is loaded.
+
+        Raises:
+            ValueError: If a tensor's dtype or shape differs from the module's.
+        """
+        current = self.module.state_dict(keep_vars=True)
+        host = self._host()
+        rest = {}
+        for key, value in state.items():
+            target = current.get(key) if key in self.keys.frozen else None
+            view = None if target is None else host.get(target)
+            if view is None:
+                if not is_quantization_metadata(key):
+                    rest[key] = value
+                continue
+            if value.dtype != view.dtype or value.shape != view.shape:
+                raise ValueError(
+                    f"the checkpoint's `{key}` is {value.dtype} {tuple(value.shape)}, the module's {view.dtype}"
+                    f" {tuple(view.shape)}. Build the module with the checkpoint's architecture and quantization."
+                )
+            view.copy_(value)
+        for offset, saved in saved_nested_offsets(self.module, state):
+            view = host.get(offset)
+            if view is not None:
+                view.copy_(saved)
+        return rest
+
+    def refresh(self) -> None:
+        """Fingerprint the base again, after :meth:`load_into_host` and the load of the rest changed it."""
+        self.fingerprint = self._fingerprint()
+
+    def _host(self) -> HostViews:
+        return HostViews(self._layouts, self._slabs)
+
+    def _fingerprint(self) -> str:
+        host = self._host()
+        state = self.module.state_dict(keep_vars=True)
+        tensors = [_prefer(host.get(t), t) for key, t in state.items() if key in self.keys.frozen]
+        return base_fingerprint(self.base_model.config, tensors)
+
+
+def save_unbuffered(checkpoint: Mapping[str, Any], path: Path) -> None:
+    """``torch.save`` straight to a temporary file beside ``path``, then rename it into place.
+
+    As atomic as Lightning's own write, without its in-memory buffer of the whole file (a
+    full-state checkpoint would otherwise copy the base in host RAM).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        torch.save(checkpoint, temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _prefer(first: Tensor | None, second: Any) -> Any:
+    return second if first is None else first
+
+
 __all__ = [
     "CHECKPOINT_KEY",
     "FORMAT_VERSION",
     "BaseKeys",
+    "FrozenBase",
     "HostViews",
     "base_fingerprint",
     "is_quantization_metadata",
+    "save_unbuffered",
     "saved_nested_offsets",
 ]

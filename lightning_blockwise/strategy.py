@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,15 +27,7 @@ from lightning_blockwise.architectures import (
     eval_mode_4bit_modules,
     find_decoder_stack,
 )
-from lightning_blockwise.checkpointing import (
-    CHECKPOINT_KEY,
-    FORMAT_VERSION,
-    BaseKeys,
-    HostViews,
-    base_fingerprint,
-    is_quantization_metadata,
-    saved_nested_offsets,
-)
+from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FORMAT_VERSION, FrozenBase, save_unbuffered
 from lightning_blockwise.placement import HostCopy, disable_cpu_repack, move_rest_to_device, restore_cpu_repack
 from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
 from lightning_blockwise.rng import GlobalRngState
@@ -139,8 +129,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._host_copy: HostCopy | None = None
         self._on_host: list[torch.nn.Module] = []
         self._repack_flags: dict[torch.nn.Module, bool] = {}
-        self._base_keys: BaseKeys | None = None
-        self._base_fingerprint: str | None = None
+        self._frozen_base: FrozenBase | None = None
         self._rng_to_restore: dict[str, Any] | None = None
 
     # Lightning hands a strategy chosen by name its devices through `parallel_devices`
@@ -206,8 +195,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             self._repack_flags = disable_cpu_repack(self._stack)
         self.residency_plan = self._plan_residency()
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
-        self._base_keys = BaseKeys.of(self.lightning_module, self._stack.model)
-        self._base_fingerprint = self._fingerprint()
+        self._frozen_base = FrozenBase(
+            self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
+        )
         self.streamer = self._new_streamer(self.residency_plan.resident)
 
     def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
@@ -328,7 +318,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     @property
     def base_fingerprint(self) -> str | None:
         """The fingerprint of the frozen base that checkpoints record (NOTE [ Lean checkpoints ]); set at setup."""
-        return self._base_fingerprint
+        return None if self._frozen_base is None else self._frozen_base.fingerprint
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -337,22 +327,19 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         See NOTE [ Lean checkpoints ] in checkpointing.py.
         """
         state = super().lightning_module_state_dict()
-        if self._base_keys is None or self._host_copy is None:
+        if self._frozen_base is None:
             return state
-        if not self.save_frozen_base:
-            return {key: value for key, value in state.items() if key not in self._base_keys.frozen}
-        host = self._host_views()
-        return {key: _prefer(host.get(value), value) for key, value in state.items()}
+        return self._frozen_base.checkpoint_state(state, include_base=self.save_frozen_base)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        if self._base_fingerprint is not None:
+        if self._frozen_base is not None:
             checkpoint[CHECKPOINT_KEY] = {
                 "format_version": FORMAT_VERSION,
                 "frozen_base": self.save_frozen_base,
-                "base_fingerprint": self._base_fingerprint,
+                "base_fingerprint": self._frozen_base.fingerprint,
                 # NOTE [ Exact resume ] in rng.py.
                 "rng": GlobalRngState.capture().state_dict(),
             }
@@ -360,18 +347,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         # Lightning's `TorchCheckpointIO` serializes into an in-memory buffer first, which for a full-state
-        # checkpoint would copy the whole base in host RAM; write to a temporary file and rename it instead
-        # (as atomic as Lightning's own write, and no second copy of the base).
-        path = Path(filepath)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(handle)
-        try:
-            torch.save(checkpoint, temporary)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        # checkpoint would copy the whole base in host RAM.
+        save_unbuffered(checkpoint, Path(filepath))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -384,90 +361,37 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             MisconfigurationException: If the checkpoint was written over another base, lacks trainable
                 parameters, or (with ``strict``) has keys the module does not or lacks others.
         """
-        if self._base_keys is None:
+        base = self._frozen_base
+        if base is None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         meta = checkpoint.get(CHECKPOINT_KEY) or {}
         state = dict(checkpoint["state_dict"])
-        frozen = self._base_keys.frozen
-        has_base = any(key in frozen for key in state)
-        saved_fingerprint = meta.get("base_fingerprint")
-        if not has_base and saved_fingerprint is not None and saved_fingerprint != self._base_fingerprint:
-            raise MisconfigurationException(
-                "BlockwiseStrategy: the checkpoint was written over another frozen base (its fingerprint"
-                f" {saved_fingerprint[:12]}... differs from this model's {self._base_fingerprint[:12]}...: another"
-                " config, other weights or another quantization). Load the base the checkpoint was trained on, or"
-                " save checkpoints with `BlockwiseStrategy(save_frozen_base=True)` to carry the base along."
-            )
-        missing = sorted(self._base_keys.trainable - state.keys())
-        if missing:
-            raise MisconfigurationException(
-                f"BlockwiseStrategy: the checkpoint lacks {len(missing)} trainable parameters of the module (e.g."
-                f" `{missing[0]}`), which would start again from their initial values. Resume with the adapter"
-                " configuration (targets, rank) the checkpoint was trained with."
-            )
-        if has_base:
-            state = self._load_frozen_base(state)
+        has_base = base.has_base(state)
+        try:
+            base.check_loadable(state, meta.get("base_fingerprint"))
+            if has_base:
+                state = base.load_into_host(state)
+        except ValueError as error:
+            raise MisconfigurationException(f"BlockwiseStrategy: {error}") from None
+        if has_base and self.streamer is not None:
+            # Blocks kept resident on the device hold copies of the old bytes: copy them again.
+            assert self.residency_plan is not None
+            self.streamer.close()
+            self.streamer = self._new_streamer(self.residency_plan.resident)
+            remat.install(self._layers, self._layer_params(), self.streamer)
         result = self.lightning_module.load_state_dict(state, strict=False)
         if has_base:
-            self._base_fingerprint = self._fingerprint()
-        missing_other = [key for key in result.missing_keys if key not in frozen]
-        if strict and (missing_other or result.unexpected_keys):
+            base.refresh()
+        missing = [key for key in result.missing_keys if key not in base.keys.frozen]
+        if strict and (missing or result.unexpected_keys):
             raise MisconfigurationException(
-                f"BlockwiseStrategy: the checkpoint does not match the module: missing keys {missing_other[:5]},"
+                f"BlockwiseStrategy: the checkpoint does not match the module: missing keys {missing[:5]},"
                 f" unexpected keys {result.unexpected_keys[:5]}. Set `strict_loading = False` on the module to load"
                 " what matches."
             )
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._rng_to_restore = meta.get("rng")
-
-    def _load_frozen_base(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Write the checkpoint's frozen decoder tensors into the host copy; return the rest to load as usual.
-
-        The host arena is the only authoritative copy of the decoder layers' frozen tensors, so
-        they are written there (not into whatever device slot a block is bound to), and the
-        streamer is rebuilt so that blocks kept resident on the device are copied again.
-        """
-        assert self._base_keys is not None
-        module = self.lightning_module
-        current = module.state_dict(keep_vars=True)
-        host = self._host_views()
-        rest = {}
-        for key, value in state.items():
-            target = current.get(key) if key in self._base_keys.frozen else None
-            view = None if target is None else host.get(target)
-            if view is None:
-                if not is_quantization_metadata(key):
-                    rest[key] = value
-                continue
-            if value.dtype != view.dtype or value.shape != view.shape:
-                raise MisconfigurationException(
-                    f"BlockwiseStrategy: the checkpoint's `{key}` is {value.dtype} {tuple(value.shape)}, the module's"
-                    f" {view.dtype} {tuple(view.shape)}. Build the module with the checkpoint's architecture and"
-                    " quantization."
-                )
-            view.copy_(value)
-        for offset, saved in saved_nested_offsets(module, state):
-            view = host.get(offset)
-            if view is not None:
-                view.copy_(saved)
-        if self.streamer is not None:
-            assert self.residency_plan is not None
-            self.streamer.close()
-            self.streamer = self._new_streamer(self.residency_plan.resident)
-            remat.install(self._layers, self._layer_params(), self.streamer)
-        return rest
-
-    def _host_views(self) -> HostViews:
-        assert self._host_copy is not None
-        return HostViews(self._host_copy.layouts, self._host_copy.arena.slabs)
-
-    def _fingerprint(self) -> str:
-        assert self._base_keys is not None and self._stack is not None
-        host = self._host_views()
-        state = self.lightning_module.state_dict(keep_vars=True)
-        tensors = [_prefer(host.get(t), t) for key, t in state.items() if key in self._base_keys.frozen]
-        return base_fingerprint(self._stack.model.config, tensors)
 
     @override
     def on_train_start(self) -> None:
@@ -542,10 +466,6 @@ def _refuse_compiled(module: torch.nn.Module) -> None:
             " different dtypes, which AOTAutograd cannot trace. Train the module uncompiled (drop"
             " `torch.compile` / `module.compile()`)."
         )
-
-
-def _prefer(first: torch.Tensor | None, second: Any) -> Any:
-    return second if first is None else first
 
 
 def _is_local(path: str | Path) -> bool:

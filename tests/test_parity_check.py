@@ -38,6 +38,8 @@ from tests.models import (
     trainer_optimizer,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _builder(checkpoints: dict[str, Path] | None = None, model_type: str = "gemma2") -> Callable[[], Any]:
     if checkpoints is None:
@@ -301,3 +303,20 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
     assert check._reference_limit(strategy) == 13.5 * gb
     strategy.vram_budget = 10 * gb  # the budget binds tighter still: 10 - 8 planned
     assert check._reference_limit(strategy) == 2 * gb
+
+
+def test_check_leaves_the_instruction_data_module_alone() -> None:
+    """The demo's data module (a stateful, shuffling loader): the first and every later loss as without the check."""
+    from lightning_blockwise.data import InstructionDataModule
+
+    def run(callbacks: list[Callback]) -> Any:
+        module = CausalLMModule(lambda: build_model("llama", vocab_size=259))
+        pl.seed_everything(0, verbose=False)
+        data = InstructionDataModule(str(ROOT / "data" / "instructions.jsonl"), max_length=96, batch_size=4)
+        trainer("blockwise", callbacks=callbacks, max_steps=3, accumulate_grad_batches=1).fit(module, datamodule=data)
+        return collect(module, trainer_optimizer(module))
+
+    check = ParityCheck()
+    checked = run([check])
+    assert check.result is not None and check.result.passed
+    assert_equal_runs(checked, run([]))
