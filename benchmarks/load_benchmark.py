@@ -171,9 +171,10 @@ class _Sampler(threading.Thread):
 
 def measure(path: Path, arm: str) -> dict[str, object]:
     """Load ``path`` with ``arm`` in this process and return the figures (see the module docstring)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     from lightning_blockwise import load_blockwise
+    from lightning_blockwise.compat_bitsandbytes import nf4_config
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the CUDA context belongs to the baseline, not the load
@@ -183,14 +184,8 @@ def measure(path: Path, arm: str) -> dict[str, object]:
     sampler.start()
     start = time.perf_counter()
     if arm == "standard":
-        nf4 = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
         model = AutoModelForCausalLM.from_pretrained(
-            path, quantization_config=nf4, dtype=torch.bfloat16, device_map="cuda:0"
+            path, quantization_config=nf4_config(torch.bfloat16), dtype=torch.bfloat16, device_map="cuda:0"
         )
     else:
         model = load_blockwise(path, compute_dtype=torch.bfloat16)

@@ -40,7 +40,6 @@ from torch.utils.data import DataLoader
 from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
 from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
 from lightning_blockwise.random_init import random_nf4_model
-from lightning_blockwise.streamer import StreamObserver
 
 
 class Throughput(pl.Callback):
@@ -95,14 +94,14 @@ class Interleaved(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.profiler.on_train_start(trainer, pl_module)
+        self.observer = trainer.strategy.observer  # the profiler's, set once; off windows swap it out
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.starts.append(time.perf_counter())
         self.profiled.append(self._profiled(idx))
+        trainer.strategy.set_observer(self.observer if self.profiled[-1] else None)
         if self.profiled[-1]:
             self.profiler.on_train_batch_start(trainer, pl_module, batch, idx)
-        else:
-            trainer.strategy.streamer.observer = StreamObserver()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.profiled[-1]:

@@ -1,14 +1,8 @@
 """The host arena: one exact-size host allocation holding every streamed block's slab.
 
-# NOTE [ Exact-size pinned memory ]
-# torch's pinned allocator rounds every request up to a power of two: a 16.1 GB base
-# pinned that way can take 32 GB of RAM. The arena instead allocates exactly the bytes
-# the blocks need as ordinary host memory and page-locks that range with
-# ``cudaHostRegister``, so copies from it are true asynchronous DMA at pinned speed
-# (pageable copies run at about a third of it and serialize). The registration is undone
-# when the arena is collected, which happens with the module: the arena is kept on the
-# Hugging Face model (see ``placement.py``), and views of it are the module's only copy
-# of its frozen decoder weights.
+The arena is kept on the Hugging Face model with its block layouts (``placement.HostCopy``), so
+it lives exactly as long as the module, and views of it are the module's only copy of its
+frozen decoder weights.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_blockwise.host import ALIGNMENT
+from lightning_blockwise.host import align_up
 
 #: Host RAM the arena leaves to everything else (the process, the data pipeline, the OS).
 HOST_RAM_RESERVE = 2 * 1024**3
@@ -45,10 +39,17 @@ def slab_offsets(sizes: Sequence[int]) -> list[int]:
     """
     offsets = [0]
     for size in sizes:
-        offsets.append(-(-(offsets[-1] + size) // ALIGNMENT) * ALIGNMENT)
+        offsets.append(align_up(offsets[-1] + size))
     return offsets
 
 
+# NOTE [ Exact-size pinned memory ]
+# torch's pinned allocator rounds every request up to a power of two: a 16.1 GB base
+# pinned that way can take 32 GB of RAM. The arena instead allocates exactly the bytes
+# the blocks need as ordinary host memory and page-locks that range with
+# ``cudaHostRegister``, so copies from it are true asynchronous DMA at pinned speed
+# (pageable copies run at about a third of it and serialize). The registration is undone
+# when the arena is collected, which happens with the module (``placement.attach_host_copy``).
 class HostArena:
     """Exact-size host memory for every streamed block, page-locked when CUDA is used.
 

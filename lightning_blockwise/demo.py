@@ -23,15 +23,15 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from bitsandbytes.nn import Linear4bit
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
+from lightning_blockwise.compat_bitsandbytes import disable_cpu_repack, nf4_config
 from lightning_blockwise.export import check_export_target, export_adapter
 
 #: Token id that pads sequences on the right; the data never use it otherwise.
@@ -96,12 +96,7 @@ def build_base_model(
     if not quantize:
         return model.to(device).eval()
     # Quantize the way users load a real checkpoint: from disk, through `quantization_config`.
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
+    quantization = nf4_config(torch.float32)
     with tempfile.TemporaryDirectory(prefix="lightning-blockwise-demo-") as checkpoint:
         model.save_pretrained(checkpoint)
         model = AutoModelForCausalLM.from_pretrained(
@@ -113,7 +108,9 @@ def build_base_model(
         )
     # The checkpoint is gone once loaded; an adapter saved later must not name it as its base.
     model.name_or_path = model.config.name_or_path = ""
-    _keep_cpu_4bit_training_kernel(model)
+    # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py: validation's eval-mode, no-grad
+    # forwards must not repack the weights.
+    disable_cpu_repack(model)
     return model
 
 
@@ -155,23 +152,6 @@ def _seeded(seed: int, device: torch.device | str) -> Iterator[None]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(seed)
         yield
-
-
-def _keep_cpu_4bit_training_kernel(model: torch.nn.Module) -> None:
-    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
-
-    NOTE [ bitsandbytes CPU repacking ]
-    On a CPU with AVX512-BF16, ``Linear4bit.forward`` in eval mode with an input that does
-    not require grad (every validation step) repacks its weight, in place and for good, for
-    an inference-only kernel. Every later call, training included, then takes that kernel,
-    which has no backward: gradients through the frozen base are lost, or with a bias
-    (Qwen2's q/k/v) the forward raises "a view of a leaf Variable that requires grad is
-    being used in an in-place operation". Clearing the flag that enables it keeps every
-    call on the differentiable path. It only matters on the CPU.
-    """
-    for module in model.modules():
-        if isinstance(module, Linear4bit):
-            module.support_avx512bf16_for_cpu = False
 
 
 class DemoCausalLM(pl.LightningModule):
@@ -269,7 +249,8 @@ class DemoCausalLM(pl.LightningModule):
                 self.model = get_peft_model(base, lora)
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds, but training wants train
         # mode: for the adapters' dropout, and because bitsandbytes picks its CPU kernel by mode (see
-        # NOTE [ bitsandbytes CPU repacking ]). Lightning still switches to eval for validation and back.
+        # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py). Lightning still switches to eval
+        # for validation and back.
         self.model.train()
 
     def setup(self, stage: str) -> None:

@@ -18,9 +18,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.compat_bitsandbytes import nf4_config
 from lightning_blockwise.demo import warmup_cosine
 from lightning_blockwise.export import check_export_target, export_adapter
 from lightning_blockwise.loader import load_blockwise
@@ -128,15 +129,9 @@ class CausalLMFineTune(pl.LightningModule):
             assert isinstance(strategy, BlockwiseStrategy)
             base = load_blockwise(hp.checkpoint, compute_dtype=dtype, device=device, block_size=strategy.block_size)
         else:
-            quantization = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=dtype,
-            )
             base = AutoModelForCausalLM.from_pretrained(
                 hp.checkpoint,
-                quantization_config=quantization,
+                quantization_config=nf4_config(dtype),
                 device_map={"": device},
                 dtype=dtype,
                 local_files_only=True,
@@ -151,7 +146,8 @@ class CausalLMFineTune(pl.LightningModule):
         )
         self.model = get_peft_model(base, lora)
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
-        # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in strategy.py).
+        # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in
+        # compat_bitsandbytes.py).
         self.model.train()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -8,17 +8,6 @@ quantizes each 4-bit weight on the device, moves the result to the host and pack
 block into a :class:`~lightning_blockwise.arena.HostArena` sized from ``config.json``
 before anything is read. The device holds one weight at a time; host memory holds the
 arena plus one block.
-
-# NOTE [ Same bytes as from_pretrained ]
-# Every step that decides bytes is transformers' own: the meta model is converted with
-# `replace_with_bnb_linear` and the skip list of `Bnb4BitHfQuantizer` (so `lm_head` and the
-# model's fp32 modules stay unquantized), each weight is cast to the load dtype on the
-# device in one `.to(device, dtype)` as `core_model_loading._materialize_copy` does, and
-# quantized as `Bnb4bitQuantize` does: `Params4bit(value, **meta_param.__dict__).to(device)`,
-# which carries the meta parameter's blocksize, quant type, double quantization and
-# storage dtype. Pre-quantized weights go through `Params4bit.from_prequantized` as
-# `Bnb4bitDeserialize` does. Only the placement differs: the results are moved to the host
-# (the same `Params4bit` and `QuantState` objects) and packed into the arena.
 """
 
 from __future__ import annotations
@@ -43,17 +32,22 @@ from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
 from lightning_blockwise import arena as arena_module
 from lightning_blockwise.arena import slab_offsets
-from lightning_blockwise.host import ALIGNMENT, bind, layout_block, pack
-from lightning_blockwise.placement import _HOST_COPY_ATTR, HostCopy
-from lightning_blockwise.sizing import nf4_tensor_bytes, slab_bytes
+from lightning_blockwise.compat_bitsandbytes import (
+    SAVED_STATE_JSON_PREFIX,
+    SAVED_STATE_SUFFIXES,
+    deserialize,
+    is_supported_config,
+    move_to_host,
+    nf4_config,
+    quantize_like,
+)
+from lightning_blockwise.host import ALIGNMENT, bind, frozen_tensors, layout_block, pack, tensor_offsets
+from lightning_blockwise.placement import HostCopy, attach_host_copy
 
 log = logging.getLogger(__name__)
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-# What `save_pretrained` of a bitsandbytes 4-bit model writes next to each `<linear>.weight`.
-_QUANT_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
-_QUANT_STATE_PREFIX = "quant_state.bitsandbytes__"
 # Float dtypes a weight may have in the checkpoint to be quantized (safetensors' dtype names).
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Checkpoint keys of buffers that transformers computes at init and ignores when found.
@@ -77,7 +71,7 @@ def load_blockwise(
     blocks of ``block_size`` layers and every other module is on the CPU.
     ``BlockwiseStrategy(block_size=block_size)`` reuses that arena instead of packing again
     and moves the rest to its device. The model is returned in train mode (NOTE [ bitsandbytes
-    CPU inference kernel ] in strategy.py); attach PEFT adapters to it as usual.
+    CPU inference kernel ] in compat_bitsandbytes.py); attach PEFT adapters to it as usual.
 
     Args:
         path: A local Hugging Face checkpoint directory: ``config.json`` and ``model.safetensors``,
@@ -197,7 +191,7 @@ def _load_blockwise(
             layouts.append(layout)
         bar.close()
 
-    vars(model)[_HOST_COPY_ATTR] = HostCopy(layer_ranges=ranges, layouts=tuple(layouts), arena=host)
+    attach_host_copy(model, HostCopy(layer_ranges=ranges, layouts=tuple(layouts), arena=host, block_size=block_size))
     model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
     model.config.quantization_config = bnb_config
     model.train()
@@ -212,40 +206,19 @@ def _load_blockwise(
 
 
 def predict_block_bytes(layers: Sequence[nn.Module], alignment: int = ALIGNMENT) -> int:
-    """The exact slab bytes of one block of a meta model, as :func:`~lightning_blockwise.host.layout_block` lays it out.
+    """The exact slab bytes of one block of a meta model: its ``layout_block(...).nbytes`` once loaded.
 
-    Per 4-bit weight of ``n`` elements in blocks of ``b``: ``ceil(n / 2)`` packed bytes and
-    ``ceil(n / b)`` absmax values, which with double quantization are ``uint8`` plus a
-    ``float32`` nested absmax per 256 of them and a ``float32`` offset, else ``float32``.
-    Every other parameter and buffer at its own size. Each tensor starts at a multiple of
-    ``alignment``, as in the layout. Needs shapes and dtypes only, so it works on the meta
-    device, before anything is read.
+    The block's :func:`~lightning_blockwise.host.frozen_tensors` at their aligned offsets, every
+    4-bit weight not quantized yet counted as the tensors bitsandbytes will store for it
+    (NOTE [ NF4 bytes ] in compat_bitsandbytes.py). Needs shapes and dtypes only, so it works
+    on the meta device, before anything is read.
 
     Args:
         layers: The decoder layers of one block, their linears converted to ``Linear4bit`` (on the
             meta device, or loaded).
         alignment: The layout's alignment.
     """
-    return slab_bytes((size for layer in layers for size in _tensor_sizes(layer)), alignment)
-
-
-def _tensor_sizes(layer: nn.Module) -> Iterator[int]:
-    """Bytes of each frozen tensor of ``layer``, in the order of ``layout_block``."""
-    for module in layer.modules():
-        for param in module._parameters.values():
-            if param is None:
-                continue
-            if isinstance(param, Params4bit) and param.bnb_quantized:
-                state = param.quant_state
-                nested = [state.offset, state.state2.absmax] if state.nested else []
-                yield from (t.numel() * t.element_size() for t in (param, state.absmax, *nested))
-            elif isinstance(param, Params4bit):
-                yield from nf4_tensor_bytes(param.numel(), param.compress_statistics, param.blocksize)
-            else:
-                yield param.numel() * param.element_size()
-        for buffer in module._buffers.values():
-            if buffer is not None:
-                yield buffer.numel() * buffer.element_size()
+    return tensor_offsets((tensor.nbytes for tensor in frozen_tensors(layers)), alignment)[-1]
 
 
 def _default_device() -> torch.device:
@@ -290,20 +263,9 @@ def _resolve_quantization(
     elif requested is not None:
         bnb_config = requested
     else:
-        bnb_config = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
+        bnb_config = nf4_config(compute_dtype)
     for checked in (bnb_config, requested):
-        if checked is None:
-            continue
-        if (
-            not checked.load_in_4bit
-            or checked.bnb_4bit_quant_type != "nf4"
-            or checked.bnb_4bit_quant_storage != (torch.uint8)
-        ):
+        if checked is not None and not is_supported_config(checked):
             raise MisconfigurationException(
                 "load_blockwise: only bitsandbytes 4-bit NF4 with uint8 storage is supported, got"
                 f" load_in_4bit={checked.load_in_4bit}, load_in_8bit={checked.load_in_8bit},"
@@ -390,8 +352,8 @@ def _check_keys(model: nn.Module, keys: dict[str, Any], prefixes: list[str], pre
     allowed = set(expected)
     if pre_quantized:
         for weight in quantized:
-            allowed.update(f"{weight}.{suffix}" for suffix in _QUANT_SUFFIXES)
-            allowed.update(f"{weight}.{_QUANT_STATE_PREFIX}{kind}" for kind in ("nf4", "fp4"))
+            allowed.update(f"{weight}.{suffix}" for suffix in SAVED_STATE_SUFFIXES)
+            allowed.update(f"{weight}.{SAVED_STATE_JSON_PREFIX}{kind}" for kind in ("nf4", "fp4"))
     unexpected = sorted(k for k in keys if k not in allowed and not k.endswith(_IGNORED_KEYS))
     if unexpected:
         raise ValueError(
@@ -501,45 +463,42 @@ def _load_layer(
         _set(owner, attr, is_param, tensor.to(dtype) if tensor.is_floating_point() else tensor, frozen=True)
 
 
+# NOTE [ Same bytes as from_pretrained ]
+# Every step that decides bytes is transformers' own: the meta model is converted with
+# `replace_with_bnb_linear` and the skip list of `Bnb4BitHfQuantizer` (so `lm_head` and the
+# model's fp32 modules stay unquantized), each weight is cast to the load dtype on the
+# device in one `.to(device, dtype)` as `core_model_loading._materialize_copy` does, and
+# quantized as `Bnb4bitQuantize` does: `Params4bit(value, **meta_param.__dict__).to(device)`,
+# which carries the meta parameter's blocksize, quant type, double quantization and
+# storage dtype. Pre-quantized weights go through `Params4bit.from_prequantized` as
+# `Bnb4bitDeserialize` does. Only the placement differs: the results are moved to the host
+# (the same `Params4bit` and `QuantState` objects) and packed into the arena.
 def _quantize_4bit(
     module: Linear4bit, key: str, keys: dict[str, Any], device: torch.device, dtype: torch.dtype
 ) -> None:
     """Quantize one weight on ``device`` as transformers' ``Bnb4bitQuantize`` does, then move it to the host."""
-    meta = module.weight
     # NOTE [ Same bytes as from_pretrained ]: cast on the device in one `.to`, then quantize.
     value = keys[key].get_tensor(key).to(device=device, dtype=dtype)
-    weight = Params4bit(value, requires_grad=False, **meta.__dict__).to(device)
+    weight = quantize_like(module.weight, value, device)
     del value
-    _to_host(weight)
+    move_to_host(weight)
     module._parameters["weight"] = weight
 
 
 def _deserialize_4bit(module: Linear4bit, key: str, keys: dict[str, Any]) -> None:
     """Rebuild a pre-quantized weight on the host as transformers' ``Bnb4bitDeserialize`` does."""
     stats = {}
-    for suffix in (*_QUANT_SUFFIXES, *(f"{_QUANT_STATE_PREFIX}{kind}" for kind in ("nf4", "fp4"))):
+    for suffix in (*SAVED_STATE_SUFFIXES, *(f"{SAVED_STATE_JSON_PREFIX}{kind}" for kind in ("nf4", "fp4"))):
         name = f"{key}.{suffix}"
         if name in keys:
             stats[suffix] = keys[name].get_tensor(name)
-    if not any(s.startswith(_QUANT_STATE_PREFIX) for s in stats) or "absmax" not in stats:
+    if not any(s.startswith(SAVED_STATE_JSON_PREFIX) for s in stats) or "absmax" not in stats:
         raise ValueError(
             f"load_blockwise: the pre-quantized weight `{key}` lacks its bitsandbytes statistics (`{key}.absmax`,"
-            f" `{key}.{_QUANT_STATE_PREFIX}nf4`); the checkpoint is incomplete."
+            f" `{key}.{SAVED_STATE_JSON_PREFIX}nf4`); the checkpoint is incomplete."
         )
-    if f"{_QUANT_STATE_PREFIX}nf4" not in stats:
+    if f"{SAVED_STATE_JSON_PREFIX}nf4" not in stats:
         raise MisconfigurationException(
             f"load_blockwise: `{key}` is quantized as FP4; only NF4 is supported. Use an NF4 or unquantized checkpoint."
         )
-    weight = Params4bit.from_prequantized(
-        data=keys[key].get_tensor(key), quantized_stats=stats, requires_grad=False, device="cpu", module=module
-    )
-    module._parameters["weight"] = weight
-
-
-def _to_host(weight: Params4bit) -> None:
-    """Move a quantized weight and its quant state to the CPU, keeping the ``Params4bit`` and ``QuantState`` objects."""
-    if weight.device.type == "cpu":
-        return
-    weight.data = weight.data.to("cpu")
-    # `QuantState.to` moves absmax, code, offset and the nested state in place.
-    weight.quant_state.to(torch.device("cpu"))
+    module._parameters["weight"] = deserialize(module, keys[key].get_tensor(key), stats)

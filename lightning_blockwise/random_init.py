@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 from accelerate import init_empty_weights
-from bitsandbytes.nn import Linear4bit, Params4bit
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lightning_blockwise.compat_bitsandbytes import nf4_linear
 
 
 def random_nf4_model(
@@ -41,14 +42,8 @@ def random_nf4_model(
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear) or linear is head:
             continue
-        quantized = Linear4bit(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
-            compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4", device="meta",
-        )  # fmt: skip
         weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=compute_dtype) * std
-        quantized.weight = Params4bit(
-            weight, requires_grad=False, compress_statistics=True, quant_type="nf4", module=quantized
-        ).to(device)
+        quantized = nf4_linear(linear, weight, compute_dtype)
         if linear.bias is not None:
             quantized.bias = nn.Parameter(torch.zeros_like(weight[:, 0]), requires_grad=False)
         model.set_submodule(name, quantized)

@@ -2,9 +2,10 @@
 
 The model is built on the meta device (shapes and dtypes, no memory, no weights), and
 each tensor's bytes are computed the way loading it with bitsandbytes NF4 and double
-quantization would store it (NOTE [ NF4 bytes ]). The decoder layers' frozen tensors are
-laid out as :func:`~lightning_blockwise.host.layout_block` lays them out in a block's slab,
-so :meth:`ModelSizes.block_bytes` equals the strategy's ``layout.nbytes`` exactly.
+quantization would store it (NOTE [ NF4 bytes ] in compat_bitsandbytes.py). The decoder
+layers' frozen tensors are found by the same walk as the strategy's layout
+(:func:`~lightning_blockwise.host.frozen_tensors`) and laid out at the same offsets, so
+:meth:`ModelSizes.block_bytes` equals the strategy's ``layout.nbytes`` exactly.
 
 Example::
 
@@ -23,44 +24,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.arena import slab_offsets
-from lightning_blockwise.host import ALIGNMENT
+from lightning_blockwise.compat_bitsandbytes import Nf4Format, code_table_bytes, nf4_tensor_bytes
+from lightning_blockwise.host import ALIGNMENT, frozen_tensors, tensor_offsets
 from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, plan_residency
 
-# NOTE [ NF4 bytes ]
-# bitsandbytes stores an NF4 weight of n elements as (with its default blocksize of 64 and
-# `bnb_4bit_use_double_quant=True`): the packed weight, two 4-bit codes per byte, n / 2
-# uint8; one absmax per 64 elements, itself quantized to uint8 (n / 64 bytes); the nested
-# absmax of those, one fp32 per 256 of them; and the fp32 offset (the absmax mean). Without
-# double quantization the absmax are fp32 and there is no nested state. The 16-entry NF4
-# code table (fp32) and, with double quantization, the 256-entry nested code table (fp32)
-# of every linear stay on the compute device (`placement.move_rest_to_device`).
-_NF4_BLOCKSIZE = 64
-_NESTED_BLOCKSIZE = 256
-_FP32 = 4
-_CODE_BYTES = 16 * _FP32
-_NESTED_CODE_BYTES = 256 * _FP32
-
 #: Bytes per trainable adapter element: PEFT keeps adapters in fp32 over a bf16 or 4-bit base.
-_ADAPTER_BYTES = _FP32
-
-
-def nf4_tensor_bytes(numel: int, double_quant: bool = True, blocksize: int = _NF4_BLOCKSIZE) -> list[int]:
-    """The bytes of each tensor bitsandbytes stores for one NF4 weight of ``numel`` elements, in slab order.
-
-    Args:
-        numel: Elements of the weight (``out_features * in_features``).
-        double_quant: Whether the absmax are quantized again (``bnb_4bit_use_double_quant``).
-        blocksize: Elements per absmax (bitsandbytes' default 64).
-
-    Returns:
-        ``[packed, absmax, offset, nested absmax]`` with double quantization, else ``[packed, absmax]``
-        (see NOTE [ NF4 bytes ]).
-    """
-    blocks = -(-numel // blocksize)
-    packed = -(-numel // 2)
-    if not double_quant:
-        return [packed, blocks * _FP32]
-    return [packed, blocks, _FP32, -(-blocks // _NESTED_BLOCKSIZE) * _FP32]
+_ADAPTER_BYTES = 4
 
 
 def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
@@ -70,10 +39,7 @@ def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
         tensor_bytes: Each tensor's own bytes, in slab order.
         alignment: The alignment of every offset (:data:`~lightning_blockwise.host.ALIGNMENT`).
     """
-    end = 0
-    for nbytes in tensor_bytes:
-        end = -(-end // alignment) * alignment + nbytes
-    return end
+    return tensor_offsets(tensor_bytes, alignment)[-1]
 
 
 @dataclass(frozen=True)
@@ -218,7 +184,7 @@ def model_sizes(
             else:
                 device += tensor.numel() * tensor.element_size()
     linears = sum(isinstance(m, nn.Linear) and m is not head for m in model.modules())
-    device += linears * (_CODE_BYTES + (_NESTED_CODE_BYTES if double_quant else 0))
+    device += linears * code_table_bytes(double_quant)
 
     return ModelSizes(
         model_type=str(config.model_type),
@@ -253,19 +219,14 @@ def _tensors(module: nn.Module | None, recurse: bool = True) -> Iterator[torch.T
 def _frozen_bytes(layer: nn.Module, head: nn.Module | None, double_quant: bool) -> Iterator[int]:
     """The bytes of a decoder layer's frozen tensors, in ``layout_block``'s order.
 
-    Per module, each parameter (a linear's weight followed by its NF4 quant state), then its buffers.
+    The walk of :func:`~lightning_blockwise.host.frozen_tensors`, every linear but the head counted as NF4.
     """
-    for module in layer.modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            if isinstance(module, nn.Linear) and module is not head and name == "weight":
-                yield from nf4_tensor_bytes(param.numel(), double_quant)
-            else:
-                yield param.numel() * param.element_size()
-        for buffer in module._buffers.values():
-            if buffer is not None:
-                yield buffer.numel() * buffer.element_size()
+    nf4 = Nf4Format(double_quant=double_quant)
+
+    def as_nf4(module: nn.Module, name: str, tensor: torch.Tensor) -> Nf4Format | None:
+        return nf4 if isinstance(module, nn.Linear) and module is not head and name == "weight" else None
+
+    return (tensor.nbytes for tensor in frozen_tensors([layer], nf4=as_nf4))
 
 
 #: Card memory kept out of the recommended budget: the CUDA context and cuBLAS workspaces,

@@ -28,10 +28,11 @@ from lightning_blockwise.architectures import (
     find_decoder_stack,
 )
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FORMAT_VERSION, FrozenBase, save_unbuffered
-from lightning_blockwise.placement import HostCopy, disable_cpu_repack, move_rest_to_device, restore_cpu_repack
+from lightning_blockwise.compat_bitsandbytes import disable_cpu_repack, restore_cpu_repack
+from lightning_blockwise.placement import HostCopy, move_rest_to_device
 from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
 from lightning_blockwise.rng import GlobalRngState
-from lightning_blockwise.streamer import BlockStreamer
+from lightning_blockwise.streamer import BlockStreamer, StreamObserver
 
 
 class BlockwiseStrategy(SingleDeviceStrategy):
@@ -124,6 +125,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._device_given = device is not None
         self.plan: BlockPlan | None = None
         self.streamer: BlockStreamer | None = None
+        self._observer = StreamObserver()
         self._stack: DecoderStack | None = None
         self._layers: list[torch.nn.Module] = []
         self._host_copy: HostCopy | None = None
@@ -192,7 +194,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         move_rest_to_device(self.lightning_module, self._stack, device, skip=on_host)
         self._on_host = on_host
         if device.type == "cpu":
-            self._repack_flags = disable_cpu_repack(self._stack)
+            self._repack_flags = disable_cpu_repack(self._stack.layers)
         self.residency_plan = self._plan_residency()
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
         self._frozen_base = FrozenBase(
@@ -202,7 +204,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
         assert self.plan is not None and self._host_copy is not None
-        return BlockStreamer(
+        streamer = BlockStreamer(
             self.plan,
             self._host_copy.layouts,
             self._host_copy.arena.slabs,
@@ -210,6 +212,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             self.prefetch_depth,
             resident=sorted(resident),
         )
+        streamer.observer = self._observer
+        return streamer
 
     def _layer_params(self) -> list[list[torch.nn.Parameter]]:
         return [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
@@ -257,6 +261,56 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks))
         return sum(self._host_copy.layouts[b].nbytes for b in blocks) + layers * layer_graph
 
+    def reference_headroom(self) -> int | None:
+        """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
+
+        The least of: what ``vram_budget`` leaves above the planned peak; on CUDA, the free and
+        cached device memory less what the training step still needs to grow to its planned peak;
+        and, under a per-process cap (``torch.cuda.set_per_process_memory_fraction``), what that cap
+        leaves. Compare it with :meth:`resident_prefix_bytes` to see how many blocks fit.
+        """
+        assert self.residency_plan is not None
+        limits = []
+        if self.vram_budget is not None:
+            limits.append(self.vram_budget - self.residency_plan.predicted_peak)
+        device = self.root_device
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            allocated = torch.cuda.memory_allocated(device)
+            cached = torch.cuda.memory_reserved(device) - allocated
+            # The blockwise step itself still has to grow from what is allocated now to its planned peak.
+            still_needed = max(0, self.residency_plan.predicted_peak - allocated)
+            limits.append(max(0, free + cached - still_needed))
+            # A per-process cap (`torch.cuda.set_per_process_memory_fraction`) binds the allocator before the
+            # card runs out: it may hold at most `fraction * total` bytes, whatever is free on the card.
+            cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+            limits.append(max(0, cap - allocated - still_needed))
+        return min(limits) if limits else None
+
+    @property
+    def observer(self) -> StreamObserver:
+        """What every streamer of this strategy reports its copies, waits and layer runs to (:meth:`set_observer`)."""
+        return self._observer
+
+    def set_observer(self, observer: StreamObserver | None) -> None:
+        """Hand ``observer`` to the current streamer and to every streamer the strategy builds later.
+
+        The strategy replaces its streamer at times (:meth:`resident_prefix`, loading a checkpoint
+        with the frozen base); each new one reports to the observer set here, so it is set once.
+        See NOTE [ Stream observer ] in streamer.py.
+
+        Args:
+            observer: The observer, or ``None`` for the no-op :class:`~lightning_blockwise.streamer.StreamObserver`.
+
+        Example::
+
+            strategy.set_observer(trace)  # in on_train_start
+            strategy.set_observer(None)  # in on_train_end
+        """
+        self._observer = StreamObserver() if observer is None else observer
+        if self.streamer is not None:
+            self.streamer.observer = self._observer
+
     @contextmanager
     def resident_prefix(self, num_blocks: int) -> Iterator[None]:
         """Run the layers of the first ``num_blocks`` blocks the resident way while the context is open.
@@ -265,7 +319,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         their frozen tensors from device copies of their host slabs; the other layers stay
         rematerialized and streamed. ``num_blocks=plan.num_blocks`` is resident training of the
         whole stack. On exit every layer is rematerialized again and a fresh streamer of the
-        run's residency plan takes over; the host arena, the only authoritative copy of the
+        run's residency plan takes over (both streamers report to :attr:`observer`, as the
+        run's did); the host arena, the only authoritative copy of the
         frozen weights, is never written, so what the run computes afterwards is unchanged.
 
         Args:
@@ -420,12 +475,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         super().teardown()
 
     def _refuse_cpu_eval_mode_4bit(self) -> None:
-        # NOTE [ bitsandbytes CPU inference kernel ]
-        # On the CPU, bitsandbytes' `Linear4bit.forward` repacks its weight for a different
-        # kernel when the module is in eval mode and its input does not require grad. A
-        # rematerialized forward runs without grad, so an eval-mode layer would take that
-        # kernel where resident training does not, and the results would differ. CUDA has
-        # no such switch. Training wants train mode anyway (dropout is off in eval mode).
+        # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py. Training wants train
+        # mode anyway (dropout is off in eval mode).
         assert self._stack is not None
         names = eval_mode_4bit_modules(self._stack)
         if names:

@@ -55,8 +55,9 @@ class TransferStats:
 class StreamObserver:
     """Receives the streamer's copies, waits and layer runs as they are issued; this base ignores them.
 
-    See NOTE [ Stream observer ]. Subclass it and assign an instance to
-    :attr:`BlockStreamer.observer` to profile a run.
+    See NOTE [ Stream observer ]. Subclass it and hand an instance to
+    :meth:`~lightning_blockwise.BlockwiseStrategy.set_observer` to profile a run: the strategy
+    gives it to every streamer it builds.
     """
 
     def copy_started(self, block: int) -> None:

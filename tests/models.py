@@ -13,7 +13,9 @@ import transformers
 from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM
+
+from lightning_blockwise.compat_bitsandbytes import nf4_config
 
 VOCAB = 96
 SEQ = 12
@@ -65,15 +67,6 @@ TARGETS: dict[str, list[str]] = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
 _DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def nf4_config(compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig:
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-    )
 
 
 def nf4_lora_builder(

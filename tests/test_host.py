@@ -11,20 +11,28 @@ import torch
 from bitsandbytes.functional import QuantState
 from bitsandbytes.nn import Linear4bit, Params4bit
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.integrations import replace_with_bnb_linear
 
+from lightning_blockwise import sizing
 from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
+from lightning_blockwise.arena import HostArena
 from lightning_blockwise.host import (
     ALIGNMENT,
     BindingKind,
     BlockLayout,
+    align_up,
     bind,
+    frozen_tensors,
     layout_block,
     pack,
+    tensor_offsets,
     unbound,
     views,
 )
-from tests.models import NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
+from lightning_blockwise.loader import load_blockwise, predict_block_bytes
+from lightning_blockwise.placement import host_copy_of
+from tests.models import CONFIGS, NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
 
 MODEL_TYPES = ["llama", "gemma2", "phi3"]
 BLOCK_SIZE = 2
@@ -413,3 +421,111 @@ def test_unbound_catches_linear4bit_casting_its_bias(checkpoints: dict[str, Path
     with torch.no_grad():
         model(input_ids=_input_ids(), use_cache=False)
     assert unbound(layout, host) == [f"layers.0.self_attn.{name}_proj.bias" for name in "qkv"]
+
+
+def test_align_up_and_tensor_offsets() -> None:
+    assert [align_up(n) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
+    assert align_up(17, 16) == 32
+    # Every start aligned, the end unpadded; an empty slab has size 0.
+    assert tensor_offsets([1000, 3, 512]) == [0, 1024, 1280, 1792]
+    assert tensor_offsets([10, 10], alignment=16) == [0, 16, 26]
+    assert tensor_offsets([]) == [0]
+
+
+def _frozen_nf4(checkpoints: dict[str, Path], model_type: str) -> nn.Module:
+    """The standard NF4 load without adapters, frozen."""
+    return build_model(model_type, checkpoint=checkpoints[model_type], quantized=True, peft=False).requires_grad_(False)
+
+
+def _meta_nf4(config: PretrainedConfig) -> PreTrainedModel:
+    """What `predict_block_bytes` predicts from: the model on the meta device, its linears converted to NF4."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=nf4_config())
+    return model
+
+
+def _specs(tensors: Sequence[object]) -> list[tuple[tuple[str, ...], torch.dtype, torch.Size, int]]:
+    return [(t.names, t.dtype, t.shape, t.nbytes) for t in tensors]
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_arena_prediction_and_plan_agree(checkpoints: dict[str, Path], model_type: str) -> None:
+    """One walk: the layout of a loaded NF4 model, the loader's prediction and `plan`'s sizes, byte for byte."""
+    standard = _frozen_nf4(checkpoints, model_type)
+    loaded = load_blockwise(
+        checkpoints[model_type], compute_dtype=torch.float32, device="cpu", block_size=2, progress=False
+    )
+    copy = host_copy_of(loaded)
+    meta = _layers(_meta_nf4(CONFIGS[model_type]()))
+    sizes = sizing.model_sizes(CONFIGS[model_type](), dtype=torch.float32)
+    assert copy is not None and copy.block_size == 2
+
+    for block, layers in enumerate(copy.layer_ranges):
+        layout = layout_block(_layers(standard)[layers.start : layers.stop], first_index=layers.start)
+        # The arena `load_blockwise` packed and the layout of the standard load: the same tensors at the same offsets.
+        entries = [(*spec, e.offset) for spec, e in zip(_specs(layout.entries), layout.entries, strict=True)]
+        ours = copy.layouts[block]
+        assert entries == [(*spec, e.offset) for spec, e in zip(_specs(ours.entries), ours.entries, strict=True)]
+        # Predicted on the meta device: the same names, dtypes, shapes and sizes, so the same offsets.
+        predicted = frozen_tensors(meta[layers.start : layers.stop], first_index=layers.start)
+        assert _specs(predicted) == _specs(layout.entries)
+        assert predict_block_bytes(meta[layers.start : layers.stop]) == layout.nbytes
+        # `plan`: each tensor's bytes from the config alone.
+        planned = [nbytes for layer in sizes.layer_tensors[layers.start : layers.stop] for nbytes in layer]
+        assert planned == [entry.nbytes for entry in layout.entries]
+    assert sizes.block_bytes(2) == [layout.nbytes for layout in copy.layouts]
+    assert sizes.host_bytes(2) == copy.arena.nbytes == HostArena(sizes.block_bytes(2), pin=False).nbytes
+
+
+def _tie(model: nn.Module) -> nn.Module:
+    """Tie, inside decoder layer 0, a norm to another and a (4-bit) linear's weight to another's."""
+    layer = _layers(model)[0]
+    layer.post_attention_layernorm.weight = layer.input_layernorm.weight
+    layer.mlp.up_proj.weight = layer.mlp.gate_proj.weight
+    return model
+
+
+class _TiedFromConfig:
+    """`AutoModelForCausalLM` for `model_sizes`, building the model with `_tie`'s ties."""
+
+    @staticmethod
+    def from_config(*args: object, **kwargs: object) -> nn.Module:
+        return _tie(AutoModelForCausalLM.from_config(*args, **kwargs))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_tied_tensor_is_one_entry_for_arena_prediction_and_plan(
+    checkpoints: dict[str, Path], tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tied tensor is allocated once in the arena; the loader's prediction and `plan` count it once too.
+
+    Control arm: untied, the same three agree on a larger layer.
+    """
+    tie = _tie if tied else (lambda model: model)
+    if tied:
+        monkeypatch.setattr(sizing, "AutoModelForCausalLM", _TiedFromConfig)
+    model = tie(_frozen_nf4(checkpoints, "llama"))
+    layout = layout_block(_layers(model)[:1])
+    meta = _layers(tie(_meta_nf4(CONFIGS["llama"]())))[:1]
+    sizes = sizing.model_sizes(CONFIGS["llama"](), dtype=torch.float32)
+
+    assert _specs(frozen_tensors(meta)) == _specs(layout.entries)
+    assert list(sizes.layer_tensors[0]) == [entry.nbytes for entry in layout.entries]
+    assert predict_block_bytes(meta) == sizes.block_bytes(1)[0] == layout.nbytes
+
+    shared = [entry.names for entry in layout.entries if len(entry.names) > 1]
+    untied = layout_block(_layers(_frozen_nf4(checkpoints, "llama"))[:1])
+    if not tied:
+        assert not shared
+        return
+    # The norm, and the packed weight with each of its three quant-state tensors: one entry under both names.
+    assert shared == [
+        ("layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"),
+        *(
+            (f"layers.0.mlp.gate_proj.weight.{s}", f"layers.0.mlp.up_proj.weight.{s}")
+            for s in ("quant_state.absmax", "quant_state.offset", "quant_state.state2.absmax")
+        ),
+        ("layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight"),
+    ]
+    assert len(layout.entries) == len(untied.entries) - 5 and layout.nbytes < untied.nbytes

@@ -22,7 +22,8 @@ import lightning_blockwise.arena
 import lightning_blockwise.host
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.loader import load_blockwise, predict_block_bytes
-from lightning_blockwise.placement import _HOST_COPY_ATTR
+from lightning_blockwise.placement import host_copy_of
+from lightning_blockwise.plan import BlockPlan
 from lightning_blockwise.sizing import model_sizes
 from tests.models import (
     CONFIGS,
@@ -49,7 +50,7 @@ def _save(model_type: str, path: Path, dtype: torch.dtype, max_shard_size: str |
 
 
 def _standard(path: Path, compute_dtype: torch.dtype) -> PreTrainedModel:
-    """The standard path; `.train()` at once (NOTE [ bitsandbytes CPU inference kernel ] in strategy.py)."""
+    """The standard path; `.train()` at once (NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py)."""
     return AutoModelForCausalLM.from_pretrained(
         path, quantization_config=nf4_config(compute_dtype), device_map="cpu", dtype=compute_dtype
     ).train()
@@ -159,7 +160,7 @@ def _refuse(*args: object, **kwargs: object) -> None:
 def test_host_copy_is_the_arena(saved: dict[str, Path]) -> None:
     """Every frozen layer tensor is a view of the arena, whose block sizes were predicted exactly."""
     model = _load(saved["qwen2-bf16-sharded"], torch.float32, block_size=3)
-    copy = vars(model)[_HOST_COPY_ATTR]
+    copy = host_copy_of(model)
     layers = model.model.layers
     assert copy.layer_ranges == (range(0, 3), range(3, 4)) and copy.is_bound()
     assert [layout.nbytes for layout in copy.layouts] == [slab.numel() for slab in copy.arena.slabs]
@@ -186,7 +187,7 @@ def test_arena_is_on_the_host_under_a_default_device(saved: dict[str, Path]) -> 
     """
     with torch.device("meta"):
         model = _load(saved["llama-bf16"], torch.bfloat16)
-    copy = vars(model)[_HOST_COPY_ATTR]
+    copy = host_copy_of(model)
     assert copy.arena.storage.device.type == "cpu" and copy.is_bound()
     _assert_same_model(_standard(saved["llama-bf16"], torch.bfloat16), model)
 
@@ -207,7 +208,7 @@ def test_bias_dtype_is_predicted(tmp_path: Path) -> None:
     model = _load(tmp_path, torch.bfloat16)
     bias = model.model.layers[0].self_attn.q_proj.bias
     assert bias.dtype == torch.bfloat16 and bias.numel() * 2 > lightning_blockwise.host.ALIGNMENT
-    copy = vars(model)[_HOST_COPY_ATTR]
+    copy = host_copy_of(model)
     expected = model_sizes(config, torch.bfloat16).block_bytes(1)
     assert [slab.numel() for slab in copy.arena.slabs] == [layout.nbytes for layout in copy.layouts] == expected
     _assert_same_model(_standard(tmp_path, torch.bfloat16), model)
@@ -236,11 +237,40 @@ def test_training_equals_standard_path(saved: dict[str, Path], model_type: str, 
     wrap = _lora(model_type)
     control = fit(CausalLMModule(lambda: wrap(_standard(saved[name], torch.float32))), BlockwiseStrategy(block_size=2))
     loaded = CausalLMModule(lambda: wrap(_load(saved[name], torch.float32, block_size=2)))
-    arena = vars(loaded.model.base_model.model)[_HOST_COPY_ATTR]
+    arena = host_copy_of(loaded.model.base_model.model)
     strategy = BlockwiseStrategy(block_size=2)
     assert_equal_runs(control, fit(loaded, strategy))
     # The strategy trained from the loader's arena instead of packing a second one.
     assert strategy.host_copy is arena
+
+
+def test_host_copy_knows_its_block_size_and_why_it_does_not_fit(saved: dict[str, Path]) -> None:
+    """The hand-over: the copy `load_blockwise` attaches says which runs it can serve, and if not, why."""
+    model = _load(saved["llama-bf16"], torch.float32, block_size=1)
+    copy = host_copy_of(model)
+    assert copy is not None and copy.block_size == 1
+    assert host_copy_of(nn.Linear(2, 2)) is None
+    assert copy.unfit_for(BlockPlan(num_layers=4, block_size=1), pin=False) is None
+    reason = copy.unfit_for(BlockPlan(num_layers=4, block_size=2), pin=False)
+    assert reason is not None and "packed in blocks of 1 layers but the strategy's `block_size` is 2" in reason
+    reason = copy.unfit_for(BlockPlan(num_layers=4, block_size=1), pin=True)
+    assert reason is not None and "not page-locked" in reason
+    norm = model.model.layers[3].input_layernorm.weight
+    norm.data = norm.data.clone()
+    reason = copy.unfit_for(BlockPlan(num_layers=4, block_size=1), pin=False)
+    assert reason is not None and "tensors were replaced" in reason
+
+
+def test_strategy_repacks_another_block_size_and_says_why(saved: dict[str, Path]) -> None:
+    wrap = _lora("llama")
+    module = CausalLMModule(lambda: wrap(_load(saved["llama-bf16"], torch.float32, block_size=1)))
+    base = module.model.base_model.model
+    loaded = host_copy_of(base)
+    strategy = BlockwiseStrategy(block_size=2)
+    with pytest.warns(UserWarning, match=r"repacking the model's host copy: it was packed in blocks of 1 layers but"):
+        fit(module, strategy, max_steps=1)
+    assert strategy.host_copy is not None and strategy.host_copy is not loaded
+    assert host_copy_of(base) is strategy.host_copy and strategy.host_copy.block_size == 2
 
 
 def _flip_one_byte(model: PreTrainedModel) -> PreTrainedModel:
@@ -403,7 +433,7 @@ def test_gpu_bytes_and_load_peak(gpu_checkpoint: Path) -> None:
     for name, tensor in expected_host.items():
         assert found[name].device.type == "cpu" and torch.equal(tensor, found[name]), name
         assert _digest(tensor) == _digest(found[name]), name
-    assert vars(actual)[_HOST_COPY_ATTR].arena.pinned
+    assert host_copy_of(actual).arena.pinned
     # One weight (bf16 plus its quantized copy) at a time: 8192 x 2048 bf16 is 34 MB.
     assert loader_peak < 256 * 1024**2 < standard_peak, (loader_peak, standard_peak)
 

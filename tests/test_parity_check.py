@@ -21,8 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, remat
-from lightning_blockwise.callbacks import parity
+from lightning_blockwise import BlockwiseStrategy, remat, verification
 from lightning_blockwise.callbacks.parity import ParityCheck, ParityError
 from lightning_blockwise.rng import RngSnapshot
 from tests.models import (
@@ -56,13 +55,13 @@ def _break_rng_replay(monkeypatch: pytest.MonkeyPatch) -> None:
 def arms(monkeypatch: pytest.MonkeyPatch) -> list[list[bool]]:
     """Per step the check runs: which decoder layers ran resident (no remat wrapper installed)."""
     seen: list[list[bool]] = []
-    original = parity._step
+    original = verification._step
 
     def spy(strategy: BlockwiseStrategy, *args: Any) -> dict[str, Tensor | None]:
         seen.append([remat.installed(layer) is None for layer in strategy._layers])
         return original(strategy, *args)
 
-    monkeypatch.setattr(parity, "_step", spy)
+    monkeypatch.setattr(verification, "_step", spy)
     return seen
 
 
@@ -136,7 +135,7 @@ def test_check_leaves_a_shuffling_loader_alone(kind: str, num_workers: int) -> N
 def test_control_loader_generator_not_restored_shifts_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without putting the loader's own generator back, the check's iterator changes the run's batches."""
     unchecked = _run_with([], "own", 0)
-    monkeypatch.setattr(parity, "_generators", lambda dataloaders: [])
+    monkeypatch.setattr(verification, "_generators", lambda dataloaders: [])
     assert runs_differ(_run_with([ParityCheck()], "own", 0), unchecked)
 
 
@@ -296,13 +295,12 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
     strategy = BlockwiseStrategy()
     monkeypatch.setattr(BlockwiseStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
     strategy.residency_plan = type("Plan", (), {"predicted_peak": 8 * gb})()
-    check = ParityCheck()
     # Uncapped: free + cached - what the step still needs (8 - 5 allocated).
-    assert check._reference_limit(strategy) == 80 * gb + 1 * gb - 3 * gb
+    assert strategy.reference_headroom() == 80 * gb + 1 * gb - 3 * gb
     fraction["value"] = 0.25  # 21.5 GB for the process: 21.5 - 5 allocated - 3 still needed
-    assert check._reference_limit(strategy) == 13.5 * gb
+    assert strategy.reference_headroom() == 13.5 * gb
     strategy.vram_budget = 10 * gb  # the budget binds tighter still: 10 - 8 planned
-    assert check._reference_limit(strategy) == 2 * gb
+    assert strategy.reference_headroom() == 2 * gb
 
 
 def test_check_leaves_the_instruction_data_module_alone() -> None:

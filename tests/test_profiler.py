@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
+from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy, ParityCheck
 from lightning_blockwise.host import BlockLayout
 from lightning_blockwise.streamer import StreamObserver
 from tests.models import CausalLMModule, assert_equal_runs, build_model, fit, nf4_lora_builder, padded_batches
@@ -175,6 +175,27 @@ def test_observer_is_restored_after_fit(checkpoints: dict[str, Path], tmp_path: 
         max_steps=1,
     )
     assert type(observers[0]) is StreamObserver
+
+
+def test_observer_set_once_follows_the_streamers_a_parity_check_builds(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The parity check replaces the streamer after the profiler set its observer; the bytes still add up."""
+    reference = _BytesPerBatch()
+    logger = CSVLogger(tmp_path, name="run")
+    strategy = BlockwiseStrategy()
+    fit(
+        CausalLMModule(_nf4(checkpoints)),
+        strategy,
+        callbacks=[BlockwiseProfiler(dirpath=tmp_path), ParityCheck(), reference],
+        logger=logger,
+        log_every_n_steps=1,
+        accumulate_grad_batches=1,
+        max_steps=2,
+    )
+    logged = [float(row["blockwise/h2d_bytes_per_step"]) for row in _read_csv(logger)]
+    assert logged == reference.bytes and all(b > 0 for b in logged)
+    assert type(strategy.observer) is StreamObserver
 
 
 def test_negative_timeline_index_is_refused() -> None:

@@ -1,0 +1,137 @@
+"""The memory model of a training step: activations, and which blocks a VRAM budget keeps resident."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_blockwise.planning.units import format_gib
+
+#: Bytes per token per vocabulary entry in the loss: bf16 logits, their fp32 upcast and its gradient.
+_LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a training step's activation memory depends on.
+
+    Args:
+        tokens: Tokens per micro-batch (batch size x sequence length), at most.
+        hidden_size: The model's hidden size.
+        intermediate_size: The MLP's inner size.
+        vocab_size: The vocabulary size.
+        num_layers: Decoder layers.
+        activation_bytes: Bytes per activation element (2 under bf16 autocast).
+    """
+
+    tokens: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int
+    activation_bytes: int = 2
+
+    @classmethod
+    def for_config(cls, config: Any, tokens: int, num_layers: int, activation_bytes: int = 2) -> StepShape:
+        """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
+
+        Args:
+            config: The model's ``PretrainedConfig``.
+            tokens: Tokens per micro-batch.
+            num_layers: Decoder layers.
+            activation_bytes: Bytes per activation element (the LM head's element size).
+        """
+        config = getattr(config, "text_config", None) or config
+        return cls(
+            tokens=tokens,
+            hidden_size=config.hidden_size,
+            intermediate_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
+            vocab_size=config.vocab_size,
+            num_layers=num_layers,
+            activation_bytes=activation_bytes,
+        )
+
+    def activation_peak(self) -> int:
+        """Predicted activation bytes at the step's peak.
+
+        Saved layer inputs (one tensor per layer between forward and backward), the loss's
+        logits and their gradient, and one layer's recompute graph with the dequantized
+        weight of its largest projection (the working set while a layer's backward runs).
+        """
+        saved_inputs = self.num_layers * self.tokens * self.hidden_size * self.activation_bytes
+        logits = self.tokens * self.vocab_size * _LOGIT_BYTES_PER_ENTRY
+        dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
+        return saved_inputs + logits + self.layer_graph() + dequantized
+
+    def layer_graph(self) -> int:
+        """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward)."""
+        return self.tokens * (6 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """Which blocks stay on the device for the whole run, and the memory that is predicted to take.
+
+    Attributes:
+        resident: Blocks copied to the device once and kept there.
+        num_slots: Device slots for the streamed blocks.
+        slot_bytes: Bytes of one slot (the largest streamed block).
+        predicted_peak: Predicted peak allocated device memory of a training step, in bytes.
+        minimum: The smallest budget that streams every block.
+    """
+
+    resident: tuple[int, ...]
+    num_slots: int
+    slot_bytes: int
+    predicted_peak: int
+    minimum: int
+
+
+def plan_residency(
+    block_bytes: list[int], prefetch_depth: int, fixed_bytes: int, trainable_bytes: int, activation_bytes: int,
+    budget: int | None,
+) -> ResidencyPlan:  # fmt: skip
+    """Keep as many blocks resident as ``budget`` allows; stream the rest (all of them without a budget).
+
+    The prediction adds what is on the device for the whole run (``fixed_bytes``: head,
+    norms, adapters), the adapters' gradients and AdamW state (3 x ``trainable_bytes``), the
+    activations, the slots and the resident blocks. Blocks are kept resident from the first
+    one on: every block but those around the forward/backward turn is loaded twice per step,
+    so any resident block saves the same traffic.
+
+    Args:
+        block_bytes: Each block's slab size.
+        prefetch_depth: Blocks copied ahead of the one in use.
+        fixed_bytes: Device bytes that do not depend on the plan.
+        trainable_bytes: Bytes of the trainable parameters.
+        activation_bytes: Predicted activation peak (:meth:`StepShape.activation_peak`).
+        budget: The cap on the predicted peak, in bytes, or ``None`` to stream every block.
+
+    Raises:
+        ValueError: If ``budget`` is below the minimum (every block streamed).
+    """
+    base = fixed_bytes + 3 * trainable_bytes + activation_bytes
+
+    def peak(resident: int) -> tuple[int, int, int]:
+        streamed = block_bytes[resident:]
+        slots = min(prefetch_depth + 1, len(streamed))
+        slot_bytes = max(streamed, default=0)
+        return base + slots * slot_bytes + sum(block_bytes[:resident]), slots, slot_bytes
+
+    minimum, slots, slot_bytes = peak(0)
+    if budget is None:
+        return ResidencyPlan((), slots, slot_bytes, minimum, minimum)
+    if budget < minimum:
+        raise ValueError(
+            f"the budget of {format_gib(budget)} is below the {format_gib(minimum)} this run needs with every block"
+            f" streamed ({len(block_bytes)} blocks, {slots} slots of {slot_bytes / 2**20:.0f} MiB). Raise the budget to"
+            f" at least {format_gib(minimum)}, or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."
+        )
+    resident = 0
+    while resident < len(block_bytes) and peak(resident + 1)[0] <= budget:
+        resident += 1
+    predicted, slots, slot_bytes = peak(resident)
+    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum)
+
+
+__all__ = ["ResidencyPlan", "StepShape", "plan_residency"]
