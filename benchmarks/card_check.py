@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader
 
 from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.plan import parse_bytes
-from lightning_blockwise.random_init import random_nf4_model
-from lightning_blockwise.sizing import model_sizes, recommend
+from lightning_blockwise.planning import parse_bytes
+from lightning_blockwise.planning.sizing import model_sizes, recommend
+from lightning_blockwise.recipes.random_init import random_nf4_model
 
 #: The models of configs/, at their published shapes (Gemma 3 27B: its language model; the
 #: config's multimodal checkpoint adds the vision tower, which its header counts).

@@ -174,7 +174,7 @@ def measure(path: Path, arm: str) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     from lightning_blockwise import load_blockwise
-    from lightning_blockwise.compat_bitsandbytes import nf4_config
+    from lightning_blockwise.compat.bitsandbytes import nf4_config
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the CUDA context belongs to the baseline, not the load

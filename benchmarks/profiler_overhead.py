@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
 from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy
-from lightning_blockwise.random_init import random_nf4_model
+from lightning_blockwise.recipes.random_init import random_nf4_model
 
 
 class Throughput(pl.Callback):

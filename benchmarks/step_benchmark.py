@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.random_init import random_nf4_model
+from lightning_blockwise.recipes.random_init import random_nf4_model
 
 SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "7b": lambda: transformers.Qwen2Config(

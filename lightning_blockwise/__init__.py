@@ -8,7 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError
-from lightning_blockwise.loader import load_blockwise
+from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.strategy import BlockwiseStrategy
 
 BlockwiseStrategy.register_strategies(StrategyRegistry)

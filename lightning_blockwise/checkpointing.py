@@ -24,7 +24,7 @@ from bitsandbytes.nn import Linear4bit
 from bitsandbytes.utils import unpack_tensor_to_dict
 from torch import Tensor, nn
 
-from lightning_blockwise.host import BlockLayout, views
+from lightning_blockwise.residency.layout import BlockLayout, views
 
 #: The checkpoint key under which the strategy keeps what it adds to Lightning's checkpoint.
 CHECKPOINT_KEY = "blockwise"

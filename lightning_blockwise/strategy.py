@@ -19,7 +19,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_blockwise import embedding, placement, remat
 from lightning_blockwise.architectures import (
     DecoderStack,
     adapter_parameters,
@@ -28,11 +27,13 @@ from lightning_blockwise.architectures import (
     find_decoder_stack,
 )
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FORMAT_VERSION, FrozenBase, save_unbuffered
-from lightning_blockwise.compat_bitsandbytes import disable_cpu_repack, restore_cpu_repack
-from lightning_blockwise.placement import HostCopy, move_rest_to_device
-from lightning_blockwise.plan import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
-from lightning_blockwise.rng import GlobalRngState
-from lightning_blockwise.streamer import BlockStreamer, StreamObserver
+from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
+from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
+from lightning_blockwise.replay import remat
+from lightning_blockwise.replay.rng import GlobalRngState
+from lightning_blockwise.residency import embedding, placement
+from lightning_blockwise.residency.placement import HostCopy, move_rest_to_device
+from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
 
 
 class BlockwiseStrategy(SingleDeviceStrategy):
@@ -102,7 +103,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if vram_budget is not None:
             try:
                 vram_budget = parse_bytes(vram_budget)
-            except MisconfigurationException as error:
+            except ValueError as error:
                 raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={vram_budget!r})`: {error}") from None
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise MisconfigurationException(
@@ -157,7 +158,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         # Refuse a module that cannot train blockwise before anything moves or optimizers are built.
         _refuse_compiled(self.lightning_module)
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
-        self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
+        try:
+            self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
+        except ValueError as error:
+            raise MisconfigurationException(f"`BlockwiseStrategy(block_size={self.block_size})`: {error}") from None
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainable(stack)
         self._stack = stack
@@ -235,14 +239,20 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             if tensor.device == self.root_device:
                 on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         trainable = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
-        return plan_residency(
-            block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
-            prefetch_depth=self.prefetch_depth,
-            fixed_bytes=sum(on_device.values()),
-            trainable_bytes=trainable,
-            activation_bytes=self._step_shape().activation_peak(),
-            budget=self.vram_budget,
-        )
+        try:
+            return plan_residency(
+                block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
+                prefetch_depth=self.prefetch_depth,
+                fixed_bytes=sum(on_device.values()),
+                trainable_bytes=trainable,
+                activation_bytes=self._step_shape().activation_peak(),
+                budget=self.vram_budget,
+            )
+        except ValueError as error:
+            raise MisconfigurationException(
+                f"`BlockwiseStrategy(vram_budget={self.vram_budget})` at {self.budget_tokens} tokens per micro-batch:"
+                f" {error}"
+            ) from None
 
     def resident_prefix_bytes(self, num_blocks: int) -> int:
         """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
@@ -250,7 +260,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         The blocks' slabs (those the residency plan does not keep on the device already) plus,
         per layer, one layer's autograd graph at ``budget_tokens`` tokens: a resident layer
         keeps its graph from the forward to the backward, a rematerialized one only its input.
-        An estimate in the planner's terms (:class:`~lightning_blockwise.plan.StepShape`).
+        An estimate in the planner's terms (:class:`~lightning_blockwise.planning.StepShape`).
 
         Args:
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
@@ -300,7 +310,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         See NOTE [ Stream observer ] in streamer.py.
 
         Args:
-            observer: The observer, or ``None`` for the no-op :class:`~lightning_blockwise.streamer.StreamObserver`.
+            observer: The observer, or ``None`` for the no-op
+                :class:`~lightning_blockwise.residency.streamer.StreamObserver`.
 
         Example::
 

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_blockwise.rng import GlobalRngState
+from lightning_blockwise.replay.rng import GlobalRngState
 from lightning_blockwise.strategy import BlockwiseStrategy
 
 _DETERMINISM_FIX = (

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from lightning_blockwise.compat_bitsandbytes import nf4_config
+from lightning_blockwise.compat.bitsandbytes import nf4_config
 
 VOCAB = 96
 SEQ = 12

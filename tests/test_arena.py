@@ -11,8 +11,9 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, arena
-from lightning_blockwise.arena import HostArena
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.residency import arena
+from lightning_blockwise.residency.arena import HostArena
 from tests.models import CausalLMModule, build_model, fit, trainer
 
 

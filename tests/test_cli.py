@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import build_cli, main
-from lightning_blockwise.demo import DemoCausalLM
+from lightning_blockwise.demos.tiny import DemoCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
@@ -72,9 +72,9 @@ def test_print_config_keeps_the_strategy_class_path(capsys: pytest.CaptureFixtur
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_blockwise.BlockwiseStrategy"
     assert strategy["init_args"]["block_size"] == 1
-    assert config["model"]["class_path"] == "lightning_blockwise.demo.DemoCausalLM"
+    assert config["model"]["class_path"] == "lightning_blockwise.demos.tiny.DemoCausalLM"
     assert config["trainer"]["max_steps"] == 72
-    assert config["data"]["class_path"] == "lightning_blockwise.data.InstructionDataModule"
+    assert config["data"]["class_path"] == "lightning_blockwise.recipes.data.InstructionDataModule"
 
 
 def test_demo_config_instantiates_a_blockwise_strategy(tmp_path: Path) -> None:

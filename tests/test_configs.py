@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import main
-from lightning_blockwise.data import SyntheticTokensDataModule
-from lightning_blockwise.finetune import CausalLMFineTune
-from lightning_blockwise.loader import load_blockwise
-from lightning_blockwise.placement import _HOST_COPY_ATTR
+from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.recipes.data import SyntheticTokensDataModule
+from lightning_blockwise.recipes.finetune import CausalLMFineTune
+from lightning_blockwise.residency.placement import _HOST_COPY_ATTR
 from tests.models import CONFIGS as MODEL_CONFIGS
 from tests.models import VOCAB, trainer
 
@@ -100,7 +100,7 @@ def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str
     """Under the blockwise strategy the base comes from `load_blockwise` in the strategy's block size: no repack."""
     strategy = BlockwiseStrategy(block_size=2)
     module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
-    with mock.patch("lightning_blockwise.finetune.load_blockwise", wraps=load_blockwise) as loaded:
+    with mock.patch("lightning_blockwise.recipes.finetune.load_blockwise", wraps=load_blockwise) as loaded:
         _fit_finetune(module, strategy, tmp_path)
     assert loaded.call_count == 1 and loaded.call_args.kwargs["block_size"] == 2
     base = module.model.get_base_model()
@@ -110,7 +110,7 @@ def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str
 
 def test_loader_choices(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     standard = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", loader="standard")
-    with mock.patch("lightning_blockwise.finetune.load_blockwise") as loaded:
+    with mock.patch("lightning_blockwise.recipes.finetune.load_blockwise") as loaded:
         _fit_finetune(standard, "blockwise", tmp_path / "standard")
     assert loaded.call_count == 0
     blockwise_only = CausalLMFineTune(str(checkpoints["llama"]), compute_dtype="float32", loader="blockwise")

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_blockwise.data import (
+from lightning_blockwise.recipes.data import (
     IGNORE_INDEX,
     InstructionDataModule,
     SyntheticTokensDataModule,

@@ -18,7 +18,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import build_cli
-from lightning_blockwise.demo import DemoCausalLM, DemoDataModule, build_base_model, warmup_cosine
+from lightning_blockwise.demos.progressions import DemoDataModule
+from lightning_blockwise.demos.tiny import DemoCausalLM, build_base_model
+from lightning_blockwise.recipes.schedules import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"

@@ -10,8 +10,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from lightning_blockwise.export import check_export_target, export_adapter
-from lightning_blockwise.finetune import CausalLMFineTune
+from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from tests.models import build_model, trainer
 
 ADAPTER = "adapter_model.safetensors"

@@ -14,10 +14,11 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import replace_with_bnb_linear
 
-from lightning_blockwise import sizing
 from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
-from lightning_blockwise.arena import HostArena
-from lightning_blockwise.host import (
+from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
+from lightning_blockwise.planning import sizing
+from lightning_blockwise.residency.arena import HostArena
+from lightning_blockwise.residency.layout import (
     ALIGNMENT,
     BindingKind,
     BlockLayout,
@@ -30,8 +31,7 @@ from lightning_blockwise.host import (
     unbound,
     views,
 )
-from lightning_blockwise.loader import load_blockwise, predict_block_bytes
-from lightning_blockwise.placement import host_copy_of
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.models import CONFIGS, NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
 
 MODEL_TYPES = ["llama", "gemma2", "phi3"]

@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-import lightning_blockwise.arena
-import lightning_blockwise.host
+import lightning_blockwise.residency.arena
+import lightning_blockwise.residency.layout
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.loader import load_blockwise, predict_block_bytes
-from lightning_blockwise.placement import host_copy_of
-from lightning_blockwise.plan import BlockPlan
-from lightning_blockwise.sizing import model_sizes
+from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
+from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.planning.sizing import model_sizes
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.models import (
     CONFIGS,
     GPU_SHAPES,
@@ -207,7 +207,7 @@ def test_bias_dtype_is_predicted(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
     model = _load(tmp_path, torch.bfloat16)
     bias = model.model.layers[0].self_attn.q_proj.bias
-    assert bias.dtype == torch.bfloat16 and bias.numel() * 2 > lightning_blockwise.host.ALIGNMENT
+    assert bias.dtype == torch.bfloat16 and bias.numel() * 2 > lightning_blockwise.residency.layout.ALIGNMENT
     copy = host_copy_of(model)
     expected = model_sizes(config, torch.bfloat16).block_bytes(1)
     assert [slab.numel() for slab in copy.arena.slabs] == [layout.nbytes for layout in copy.layouts] == expected
@@ -380,10 +380,9 @@ def test_saved_8bit_config_refused(saved: dict[str, Path], tmp_path: Path) -> No
 
 def test_not_enough_host_ram(saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused from config.json alone, before any shard is opened."""
-    monkeypatch.setattr(
-        lightning_blockwise.arena, "available_host_memory", lambda: lightning_blockwise.arena.HOST_RAM_RESERVE
-    )
-    monkeypatch.setattr("lightning_blockwise.loader.safe_open", _refuse)
+    arena = lightning_blockwise.residency.arena
+    monkeypatch.setattr(arena, "available_host_memory", lambda: arena.HOST_RAM_RESERVE)
+    monkeypatch.setattr("lightning_blockwise.loading.load.safe_open", _refuse)
     with pytest.raises(
         MisconfigurationException, match=r"host arena \(predicted from config\.json\), but only 2\.15 GB"
     ):

@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRando
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, remat, verification
 from lightning_blockwise.callbacks.parity import ParityCheck, ParityError
-from lightning_blockwise.rng import RngSnapshot
+from lightning_blockwise.replay.rng import RngSnapshot
 from tests.models import (
     NUM_LAYERS,
     CausalLMModule,
@@ -305,7 +305,7 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
 
 def test_check_leaves_the_instruction_data_module_alone() -> None:
     """The demo's data module (a stateful, shuffling loader): the first and every later loss as without the check."""
-    from lightning_blockwise.data import InstructionDataModule
+    from lightning_blockwise.recipes.data import InstructionDataModule
 
     def run(callbacks: list[Callback]) -> Any:
         module = CausalLMModule(lambda: build_model("llama", vocab_size=259))

@@ -15,9 +15,9 @@ from bitsandbytes.nn import Params4bit
 
 from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
 from lightning_blockwise.cli import main, plan, plan_report
-from lightning_blockwise.host import layout_block
-from lightning_blockwise.plan import StepShape
-from lightning_blockwise.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
+from lightning_blockwise.planning import StepShape
+from lightning_blockwise.planning.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
+from lightning_blockwise.residency.layout import layout_block
 from tests.models import CONFIGS, TARGETS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]

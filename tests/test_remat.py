@@ -15,8 +15,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import capture, remat
-from lightning_blockwise.rng import RngSnapshot
+from lightning_blockwise.replay import capture, remat
+from lightning_blockwise.replay.rng import RngSnapshot
 from tests.models import (
     NUM_LAYERS,
     CausalLMModule,

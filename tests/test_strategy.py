@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 import lightning_blockwise
-from lightning_blockwise import BlockwiseStrategy, remat
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.replay import remat
 from tests.models import (
     CausalLMModule,
     assert_equal_runs,
@@ -250,7 +251,7 @@ def test_vram_budget_accepts_bytes_and_sizes() -> None:
 def test_error_torch_compile_is_refused_before_packing(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`torch.compile` (of the LightningModule, or of the Hugging Face model inside it) is refused at setup."""
     packed = []
-    monkeypatch.setattr("lightning_blockwise.placement.host_copy", lambda *a, **k: packed.append(1))
+    monkeypatch.setattr("lightning_blockwise.residency.placement.host_copy", lambda *a, **k: packed.append(1))
     module = CausalLMModule(lambda: build_model("llama"))
     if how == "inner":
         module.model = torch.compile(module.model)

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_blockwise.plan import parse_bytes
+from lightning_blockwise.planning import parse_bytes
 from lightning_blockwise.strategy import BlockwiseStrategy
 from lightning_blockwise.verification import ParityError, ParityResult, TensorMismatch, check_step, first_batch
 
@@ -77,7 +77,12 @@ class ParityCheck(Callback):
             )
         self.batch = batch
         self.on_mismatch = on_mismatch
-        self.max_reference_bytes = None if max_reference_bytes is None else parse_bytes(max_reference_bytes)
+        try:
+            self.max_reference_bytes = None if max_reference_bytes is None else parse_bytes(max_reference_bytes)
+        except ValueError as error:
+            raise MisconfigurationException(
+                f"`ParityCheck(max_reference_bytes={max_reference_bytes!r})`: {error}"
+            ) from None
         self.always = always
         self.result: ParityResult | None = None
 

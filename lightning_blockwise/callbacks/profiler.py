@@ -1,7 +1,7 @@
 """``BlockwiseProfiler``: VRAM, host-to-device traffic, copy stalls and throughput of a blockwise run.
 
-A thin Lightning callback over :mod:`lightning_blockwise.profiling_trace` (marks and reads each
-batch) and :mod:`lightning_blockwise.profiling_report` (aggregates, table, JSON, PNG).
+A thin Lightning callback over :mod:`lightning_blockwise.profiling.trace` (marks and reads each
+batch) and :mod:`lightning_blockwise.profiling.report` (aggregates, table, JSON, PNG).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lightning_blockwise.profiling_report import Profile, draw_timeline, write_summary
-from lightning_blockwise.profiling_trace import BatchTracer, Timeline
+from lightning_blockwise.profiling.report import Profile, draw_timeline, write_summary
+from lightning_blockwise.profiling.trace import BatchTracer, Timeline
 from lightning_blockwise.strategy import BlockwiseStrategy
 
 
@@ -61,8 +61,8 @@ class BlockwiseProfiler(Callback):
     timing ] in profiling_trace.py); the profiler changes neither the computation nor the data
     the run sees. The strategy hands its observer to every streamer it builds
     (:meth:`~lightning_blockwise.BlockwiseStrategy.set_observer`), so the profiler sets it once
-    per fit. The measuring is done by :mod:`lightning_blockwise.profiling_trace` and
-    :mod:`lightning_blockwise.profiling_report`.
+    per fit. The measuring is done by :mod:`lightning_blockwise.profiling.trace` and
+    :mod:`lightning_blockwise.profiling.report`.
 
     Args:
         timeline: ``True`` draws the last batch of the fit; an ``int`` draws that training batch

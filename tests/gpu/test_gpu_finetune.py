@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.data import SyntheticTokensDataModule
-from lightning_blockwise.finetune import CausalLMFineTune
-from lightning_blockwise.placement import _HOST_COPY_ATTR
+from lightning_blockwise.recipes.data import SyntheticTokensDataModule
+from lightning_blockwise.recipes.finetune import CausalLMFineTune
+from lightning_blockwise.residency.placement import _HOST_COPY_ATTR
 from tests.models import GPU_SHAPES
 
 pytestmark = [

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise.rng import RngSnapshot
+from lightning_blockwise.replay.rng import RngSnapshot
 from tests.models import (
     GPU_SHAPES,
     CausalLMModule,

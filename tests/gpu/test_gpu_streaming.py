@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, remat
-from lightning_blockwise.streamer import BlockStreamer
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.replay import remat
+from lightning_blockwise.residency.streamer import BlockStreamer
 from tests.models import CausalLMModule, assert_equal_runs, fit, nf4_lora_builder, padded_batches, runs_differ
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """Tracing training batches: where the streamer's copies, waits and layer runs begin and end, read lazily.
 
-``BlockwiseProfiler`` drives a :class:`BatchTracer`; :mod:`lightning_blockwise.profiling_report`
+``BlockwiseProfiler`` drives a :class:`BatchTracer`; :mod:`lightning_blockwise.profiling.report`
 aggregates and reports what it reads.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from typing_extensions import override
 
-from lightning_blockwise.residency import Pass
-from lightning_blockwise.streamer import StreamObserver
+from lightning_blockwise.residency.base import Pass
+from lightning_blockwise.residency.streamer import StreamObserver
 
 #: A point in time: a recorded CUDA event, or a host clock reading in seconds on the CPU.
 Mark = torch.cuda.Event | float

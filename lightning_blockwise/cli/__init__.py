@@ -29,8 +29,8 @@ from typing_extensions import override
 # Imported for its side effect: registering "blockwise" in Lightning's strategy registry
 # before the parser resolves `trainer.strategy`.
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise.plan import parse_bytes
-from lightning_blockwise.sizing import model_sizes, recommend
+from lightning_blockwise.planning import parse_bytes
+from lightning_blockwise.planning.sizing import model_sizes, recommend
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
 PLAN_COMMAND = "plan"
@@ -196,7 +196,7 @@ def plan_report(
     vram_budget: int | None = None,
     gpu_memory: int | None = None,
 ) -> dict[str, Any]:
-    """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.sizing`).
+    """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
     Args:
         config: The model's ``PretrainedConfig``.
@@ -231,7 +231,10 @@ def plan_report(
             f"--block-size {block_size} is more than the {sizes.num_layers} decoder layers of this"
             f" {sizes.model_type} model; pick 1 to {sizes.num_layers}."
         )
-    residency = sizes.residency(tokens, block_size, prefetch_depth, vram_budget)
+    try:
+        residency = sizes.residency(tokens, block_size, prefetch_depth, vram_budget)
+    except ValueError as error:
+        raise MisconfigurationException(f"--vram-budget: {error}") from None
     report: dict[str, Any] = {
         "model_type": sizes.model_type,
         "num_layers": sizes.num_layers,
@@ -293,7 +296,7 @@ def _memory_size(text: str) -> int:
     """An argparse ``type``: a positive memory size such as ``16GiB``, in bytes."""
     try:
         return parse_bytes(text)
-    except MisconfigurationException as error:
+    except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 

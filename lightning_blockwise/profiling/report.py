@@ -1,6 +1,6 @@
 """What ``BlockwiseProfiler`` reports: aggregates of the traced batches, the fit's summary, its table, JSON and PNG.
 
-The per-batch values come from :meth:`lightning_blockwise.profiling_trace.BatchTracer.read`.
+The per-batch values come from :meth:`lightning_blockwise.profiling.trace.BatchTracer.read`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torchmetrics import MaxMetric, MeanMetric, Metric
 
-from lightning_blockwise.profiling_trace import Timeline
-from lightning_blockwise.residency import Pass
-from lightning_blockwise.streamer import BlockStreamer
+from lightning_blockwise.profiling.trace import Timeline
+from lightning_blockwise.residency.base import Pass
+from lightning_blockwise.residency.streamer import BlockStreamer
 
 _RICH_AVAILABLE = RequirementCache("rich")
 

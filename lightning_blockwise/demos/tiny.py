@@ -1,0 +1,305 @@
+"""A self-contained demo: a tiny random-init Qwen2 with LoRA adapters on an NF4 base.
+
+Nothing here touches the network: the "pretrained" base is a random-init model saved to a
+temporary directory and loaded back the way users load a real checkpoint, so the demo
+exercises the same ``from_pretrained(..., quantization_config=...)`` path. ``configs/demo.yaml``
+trains it on the instruction pairs shipped in ``data/``
+(:class:`~lightning_blockwise.recipes.data.InstructionDataModule` with its byte-level
+tokenizer); :mod:`lightning_blockwise.demos.progressions` holds the smallest data a frozen
+random base with LoRA adapters learns to continue within a few dozen steps.
+
+Example::
+
+    lightning-blockwise fit --config configs/demo.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+
+from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, nf4_config
+from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes.schedules import warmup_cosine
+
+#: Token id that pads sequences on the right; the data never use it otherwise.
+PAD_TOKEN_ID = 0
+
+#: The LoRA targets: every projection of a Qwen2 decoder layer.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_base_model(
+    hidden_size: int = 64,
+    num_hidden_layers: int = 4,
+    vocab_size: int = 128,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    initializer_range: float = 0.125,
+    quantize: bool = True,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> PreTrainedModel:
+    """Build the demo's frozen base: a random-init Qwen2 causal LM, optionally loaded back in NF4.
+
+    The weights depend on ``seed`` alone (the global RNG is left as it was), so the same
+    arguments give the same base, e.g. to load a saved adapter onto.
+
+    Args:
+        hidden_size: Width of the residual stream.
+        num_hidden_layers: Number of decoder layers.
+        vocab_size: Number of token ids.
+        num_attention_heads: Query heads per layer.
+        num_key_value_heads: Key/value heads per layer (grouped-query attention).
+        intermediate_size: Width of the MLP.
+        initializer_range: Standard deviation of the random weights. The default,
+            ``1 / sqrt(hidden_size)``, makes the frozen ``lm_head`` large enough for the
+            adapters to reach confident predictions; Hugging Face's usual 0.02 caps the
+            logits near +-1, and with them how far the loss can fall.
+        quantize: Load the base as bitsandbytes NF4 with double quantization.
+        seed: Seed of the random initialization.
+        device: Where ``from_pretrained`` places the quantized weights.
+
+    Returns:
+        The base model in fp32 (its linear weights NF4 if ``quantize``), in eval mode as
+        ``from_pretrained`` returns it.
+    """
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        initializer_range=initializer_range,
+        max_position_embeddings=256,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    with _seeded(seed, device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if not quantize:
+        return model.to(device).eval()
+    # Quantize the way users load a real checkpoint: from disk, through `quantization_config`.
+    quantization = nf4_config(torch.float32)
+    with tempfile.TemporaryDirectory(prefix="lightning-blockwise-demo-") as checkpoint:
+        model.save_pretrained(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint,
+            quantization_config=quantization,
+            device_map={"": torch.device(device)},
+            dtype=torch.float32,
+            local_files_only=True,
+        )
+    # The checkpoint is gone once loaded; an adapter saved later must not name it as its base.
+    model.name_or_path = model.config.name_or_path = ""
+    # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py: validation's eval-mode, no-grad
+    # forwards must not repack the weights.
+    disable_cpu_repack(model)
+    return model
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device | str) -> Iterator[None]:
+    """Draw from RNGs seeded with ``seed`` (the CPU's and ``device``'s), restoring the global ones after."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(seed)
+        yield
+
+
+class DemoCausalLM(pl.LightningModule):
+    """A tiny Qwen2 causal LM whose LoRA adapters train on a frozen, optionally NF4, base.
+
+    The model is built in :meth:`configure_model`, where the Trainer's device is known, so
+    the quantized base is loaded straight onto it. At the end of fitting the adapter is
+    saved with ``save_pretrained`` to ``<log_dir>/adapter``.
+
+    Args:
+        hidden_size: Width of the residual stream.
+        num_hidden_layers: Number of decoder layers.
+        vocab_size: Number of token ids; must cover the data's.
+        num_attention_heads: Query heads per layer.
+        num_key_value_heads: Key/value heads per layer.
+        intermediate_size: Width of the MLP.
+        initializer_range: Standard deviation of the base's random weights (see :func:`build_base_model`).
+        quantize: Load the frozen base as bitsandbytes NF4 with double quantization.
+        lora_r: Rank of the LoRA adapters.
+        lora_alpha: LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_r``).
+        lora_dropout: Dropout on the adapters' input.
+        learning_rate: Peak learning rate of AdamW.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Optimizer steps of linear warmup before the cosine decay.
+        min_lr_ratio: Final learning rate of the cosine decay, as a fraction of the peak.
+        seed: Seed of the base's random initialization and of the adapters' initialization.
+        adapter_path: A directory saved by an earlier run (``<log_dir>/adapter``) to load the
+            adapters from instead of initializing them, e.g. to ``validate`` or ``test`` a
+            trained adapter; the LoRA arguments above are then ignored. Needs the same
+            base arguments and ``seed`` as the run that saved it.
+
+    Example::
+
+        trainer = Trainer(strategy="blockwise", max_steps=60)
+        trainer.fit(DemoCausalLM(), datamodule=DemoDataModule())  # demos.progressions
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 64,
+        num_hidden_layers: int = 4,
+        vocab_size: int = 128,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        intermediate_size: int = 128,
+        initializer_range: float = 0.125,
+        quantize: bool = True,
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.05,
+        learning_rate: float = 2e-2,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 5,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        adapter_path: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: PeftModel | None = None
+        self._first_train_loss: float | None = None
+        self._last_train_loss: float | None = None
+
+    def configure_model(self) -> None:
+        """Build the base on the Trainer's device and wrap it with LoRA adapters (once)."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        base = build_base_model(
+            hidden_size=hp.hidden_size,
+            num_hidden_layers=hp.num_hidden_layers,
+            vocab_size=hp.vocab_size,
+            num_attention_heads=hp.num_attention_heads,
+            num_key_value_heads=hp.num_key_value_heads,
+            intermediate_size=hp.intermediate_size,
+            initializer_range=hp.initializer_range,
+            quantize=hp.quantize,
+            seed=hp.seed,
+            device=device,
+        )
+        if hp.adapter_path is not None:
+            # The saved adapter's own config decides its rank and targets.
+            self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True, local_files_only=True)
+        else:
+            lora = LoraConfig(
+                r=hp.lora_r,
+                lora_alpha=hp.lora_alpha,
+                lora_dropout=hp.lora_dropout,
+                target_modules=LORA_TARGETS,
+                task_type="CAUSAL_LM",
+            )
+            # The adapters' initialization draws from the RNG too; keep it a function of `seed` alone.
+            with _seeded(hp.seed + 1, device):
+                self.model = get_peft_model(base, lora)
+        # `from_pretrained` returns eval mode and Lightning keeps the modes it finds, but training wants train
+        # mode: for the adapters' dropout, and because bitsandbytes picks its CPU kernel by mode (see
+        # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py). Lightning still switches to eval
+        # for validation and back.
+        self.model.train()
+
+    def setup(self, stage: str) -> None:
+        """Refuse data whose token ids the embedding does not cover, or an adapter directory in use, before any step.
+
+        Raises:
+            MisconfigurationException: If the datamodule's ``vocab_size`` exceeds the model's, or (when fitting)
+                ``<log_dir>/adapter`` already holds files (NOTE [ Atomic adapter export ] in export.py).
+        """
+        if stage == "fit":
+            check_export_target(self._adapter_dir(), overwrite=False, owner="DemoCausalLM")
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab > self.hparams.vocab_size:
+            raise MisconfigurationException(
+                f"The data module's vocab_size={data_vocab} produces token ids the model cannot embed:"
+                f" DemoCausalLM(vocab_size={self.hparams.vocab_size}). Give both the same `vocab_size`."
+            )
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor | None = None) -> Tensor:
+        """The model's causal-LM loss if ``labels`` are given, else its logits."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return outputs.logits if labels is None else outputs.loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Next-token loss of one batch, logged as ``train_loss``."""
+        loss = self(**batch)
+        self.log("train_loss", loss, prog_bar=True)
+        # Kept for the one-line summary at the end; `.item()` syncs, but only once per step.
+        self._last_train_loss = loss.item()
+        if self._first_train_loss is None:
+            self._first_train_loss = self._last_train_loss
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Next-token loss of one batch, averaged over the epoch as ``val_loss``."""
+        self.log("val_loss", self(**batch), prog_bar=True)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Next-token loss of one batch, averaged over the epoch as ``test_loss``."""
+        self.log("test_loss", self(**batch))
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Greedy next-token predictions at every position (padding positions included)."""
+        return self(batch["input_ids"], batch["attention_mask"]).argmax(dim=-1)
+
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        """AdamW over the adapters, with linear warmup then cosine decay, stepped every optimizer step.
+
+        Raises:
+            MisconfigurationException: If the run has no finite length to decay over.
+        """
+        hp = self.hparams
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps):
+            raise MisconfigurationException(
+                "DemoCausalLM decays its learning rate over the whole run, which has no end: set `trainer.max_steps`"
+                " or `trainer.max_epochs`."
+            )
+        optimizer = torch.optim.AdamW(
+            [p for p in self.parameters() if p.requires_grad], lr=hp.learning_rate, weight_decay=hp.weight_decay
+        )
+        scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total_steps), hp.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        """Save the adapter to ``<log_dir>/adapter`` and say where, with the first and last train loss."""
+        if not self.trainer.is_global_zero:
+            return
+        adapter_dir = export_adapter(self.model, self._adapter_dir())
+        summary = f"DemoCausalLM: adapter saved to {adapter_dir}"
+        if self._first_train_loss is not None:
+            summary += (
+                f" (train_loss {self._first_train_loss:.3f} -> {self._last_train_loss:.3f} over"
+                f" {self.trainer.global_step} steps)"
+            )
+        rank_zero_info(summary)
+
+    def _adapter_dir(self) -> Path:
+        return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
+
+
+__all__ = ["DemoCausalLM", "build_base_model"]

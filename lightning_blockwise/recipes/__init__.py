@@ -1,0 +1,1 @@
+"""Fine-tuning recipes: ``CausalLMFineTune``, data modules, schedules, random-init bases, adapter export."""

@@ -1,0 +1,224 @@
+"""``CausalLMFineTune``: LoRA on a local Hugging Face checkpoint loaded as NF4, the module the ``configs/`` YAMLs train.
+
+Example::
+
+    lightning-blockwise fit --config configs/qwen2.5-7b.yaml
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.compat.bitsandbytes import nf4_config
+from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes.random_init import random_nf4_model
+from lightning_blockwise.recipes.schedules import warmup_cosine
+from lightning_blockwise.strategy import BlockwiseStrategy
+
+_LOADERS = ("auto", "standard", "blockwise")
+
+
+class CausalLMFineTune(pl.LightningModule):
+    """Train LoRA adapters on a frozen local causal-LM checkpoint loaded as bitsandbytes NF4 with double quantization.
+
+    The model is loaded in :meth:`configure_model`. Under :class:`BlockwiseStrategy` the
+    decoder layers go straight into the host arena with
+    :func:`~lightning_blockwise.loading.load.load_blockwise` (quantized on the GPU one tensor at a
+    time, in the strategy's ``block_size``), so the whole base never sits on the GPU; under any
+    other strategy ``from_pretrained`` loads it onto the Trainer's device.
+    Lightning checkpoints hold only the trainable (adapter) parameters and load back
+    non-strictly over a freshly loaded base; at the end of fitting the adapter is exported
+    as a PEFT directory (``PeftModel.from_pretrained(base, adapter_dir)`` loads it).
+
+    Args:
+        checkpoint: A local checkpoint directory (``config.json`` and weights); never downloaded.
+        target_modules: Names of the decoder layers' linears that get adapters (``q_proj``, ...); ``None``:
+            every linear of the decoder layers (fused ones such as Phi-3's ``qkv_proj`` included). Linears
+            outside the decoder layers (a vision tower) never get adapters.
+        lora_r: LoRA rank.
+        lora_alpha: LoRA scaling numerator (updates are scaled by ``lora_alpha / lora_r``).
+        lora_dropout: Dropout on the adapters' input.
+        use_dora: DoRA instead of LoRA (its magnitude vectors are adapters too; blockwise DoRA passes the same
+            parity tests as LoRA).
+        compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Optimizer steps of linear warmup before the cosine decay.
+        min_lr_ratio: Final learning rate as a fraction of the peak.
+        adapter_dir: Where to export the adapter at the end of fitting; ``None``: ``<log_dir>/adapter``. Written
+            atomically; a directory that already holds files is refused when fitting starts.
+        overwrite_adapter: Replace an adapter already at ``adapter_dir`` (atomically: the old one stays until
+            the new one is complete).
+        loader: ``"auto"``: ``load_blockwise`` under ``BlockwiseStrategy``, ``from_pretrained`` otherwise;
+            ``"standard"``: always ``from_pretrained`` (e.g. a multimodal checkpoint whose vision tower is
+            quantized too, which ``load_blockwise`` refuses); ``"blockwise"``: always ``load_blockwise``.
+        random_init: Build the model from ``checkpoint``'s ``config.json`` with random weights instead of
+            loading them (a real shape without its weights: smoke runs and memory checks); see
+            :func:`~lightning_blockwise.recipes.random_init.random_nf4_model`. Seeded by ``seed_everything``.
+
+    Example::
+
+        module = CausalLMFineTune("/models/Qwen2.5-7B", lora_r=16)
+        Trainer(strategy="blockwise", precision="bf16-mixed", max_steps=1000).fit(module, datamodule=data)
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        target_modules: list[str] | None = None,
+        lora_r: int = 16,
+        lora_alpha: int = 32,
+        lora_dropout: float = 0.05,
+        use_dora: bool = False,
+        compute_dtype: str = "bfloat16",
+        learning_rate: float = 2e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        adapter_dir: str | None = None,
+        loader: str = "auto",
+        random_init: bool = False,
+        overwrite_adapter: bool = False,
+    ) -> None:
+        super().__init__()
+        if loader not in _LOADERS:
+            raise MisconfigurationException(
+                f"CausalLMFineTune(loader={loader!r}): choose one of {', '.join(map(repr, _LOADERS))}."
+            )
+        self.save_hyperparameters()
+        self.model: PeftModel | None = None
+        # Checkpoints hold only the adapters (`BlockwiseStrategy`'s lean checkpoints, or `on_save_checkpoint` under
+        # other strategies); the frozen base comes from `checkpoint`.
+        self.strict_loading = False
+
+    def configure_model(self) -> None:
+        """Load (or build) the NF4 base and add the adapters (once).
+
+        Raises:
+            MisconfigurationException: If ``loader="blockwise"`` is asked for under another strategy.
+        """
+        if self.model is not None:
+            return
+        hp = self.hparams
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
+        dtype = getattr(torch, hp.compute_dtype)
+        blockwise = isinstance(strategy, BlockwiseStrategy)
+        if hp.loader == "blockwise" and not blockwise:
+            raise MisconfigurationException(
+                "CausalLMFineTune(loader='blockwise') packs the decoder layers into host memory, which only"
+                " `BlockwiseStrategy` trains from. Use `strategy: blockwise`, or `loader: auto`."
+            )
+        if hp.random_init:
+            config = AutoConfig.from_pretrained(hp.checkpoint, local_files_only=True)
+            base = random_nf4_model(config, device, compute_dtype=dtype)
+        elif blockwise and hp.loader != "standard":
+            assert isinstance(strategy, BlockwiseStrategy)
+            base = load_blockwise(hp.checkpoint, compute_dtype=dtype, device=device, block_size=strategy.block_size)
+        else:
+            base = AutoModelForCausalLM.from_pretrained(
+                hp.checkpoint,
+                quantization_config=nf4_config(dtype),
+                device_map={"": device},
+                dtype=dtype,
+                local_files_only=True,
+            )
+        lora = LoraConfig(
+            r=hp.lora_r,
+            lora_alpha=hp.lora_alpha,
+            lora_dropout=hp.lora_dropout,
+            target_modules=_decoder_linears(base, hp.target_modules),
+            use_dora=hp.use_dora,
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base, lora)
+        # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
+        # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in
+        # compat_bitsandbytes.py).
+        self.model.train()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The causal-LM loss of the batch (labels -100 where nothing is learned)."""
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The validation loss, averaged over the epoch."""
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        """AdamW on the adapters, linear warmup then cosine decay over the run's optimizer steps."""
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        scheduler = warmup_cosine(
+            optimizer, hp.warmup_steps, int(self.trainer.estimated_stepping_batches), hp.min_lr_ratio
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def setup(self, stage: str) -> None:
+        """Refuse, before any training, an adapter directory the export at the end would overwrite."""
+        if stage == "fit":
+            check_export_target(
+                self._adapter_dir(),
+                self.hparams.overwrite_adapter,
+                f"CausalLMFineTune(adapter_dir={self._adapter_dir()})",
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only the trainable parameters: the frozen base is the checkpoint directory's, gigabytes not to copy.
+
+        Under :class:`BlockwiseStrategy` the strategy already decides (NOTE [ Lean checkpoints ] in
+        checkpointing.py, ``save_frozen_base``); elsewhere the module does the same.
+        """
+        if isinstance(self.trainer.strategy, BlockwiseStrategy):
+            return
+        trainable = {name for name, param in self.named_parameters() if param.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+
+    def on_train_end(self) -> None:
+        """Export the adapter as a PEFT directory (atomically: NOTE [ Atomic adapter export ] in export.py)."""
+        if not self.trainer.is_global_zero:
+            return
+        written = export_adapter(self.model, self._adapter_dir(), overwrite=self.hparams.overwrite_adapter)
+        rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
+
+    def _adapter_dir(self) -> Path:
+        if self.hparams.adapter_dir:
+            return Path(self.hparams.adapter_dir)
+        return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
+
+
+def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:
+    """A PEFT ``target_modules`` pattern for the linears named ``names`` (default: all) inside the decoder layers.
+
+    PEFT's ``"all-linear"`` would also put adapters on a multimodal model's vision tower, whose
+    ``q_proj`` and friends share the decoder's names; anchoring the pattern at the decoder's
+    ``layers`` keeps the adapters where ``lightning-blockwise plan`` counts them.
+    """
+    layers = find_decoder_stack(model, allow_unvalidated=True).layers
+    prefix = next(name for name, module in model.named_modules() if module is layers)
+    leaves = names or sorted(
+        {name.rsplit(".", 1)[-1] for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)}
+    )
+    # PEFT matches a string with `re.fullmatch` against each module's qualified name.
+    return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, leaves))})"
+
+
+__all__ = ["CausalLMFineTune"]

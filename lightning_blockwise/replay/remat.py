@@ -1,0 +1,163 @@
+"""Rematerializing decoder layers: a no-grad forward that keeps only the layer input.
+
+The backward recomputes each layer under its saved RNG state and call arguments.
+
+# NOTE [ Exact rematerialization ]
+# The recompute in the backward must be the very function the forward evaluated, so that
+# its gradients equal, bit for bit, those of resident training. That needs the same
+# input (saved), the same random numbers (NOTE [ RNG replay ] in rng.py), the same call
+# arguments and autocast state (NOTE [ Per-layer call replay ] in capture.py), and the
+# same weights (the frozen base is never written; the residency only moves copies).
+#
+# Adapter parameters enter the autograd.Function as explicit inputs, and their gradients
+# leave it as its outputs. Autograd then accumulates them into ``.grad`` itself, so
+# gradient accumulation, tensor hooks, clipping, Lightning's ``on_after_backward`` and
+# DDP's reducer see them exactly as in resident training.
+#
+# Parameters are kept on ``ctx`` as plain references, not through ``save_for_backward``:
+# they are alive in the module anyway, and saving them would hand them to any
+# saved-tensor hooks (activation offloading) for nothing. Between forward and backward
+# autograd holds one tensor per layer: its input.
+#
+# NOTE [ Graphs do not outlive residency ]
+# bitsandbytes' ``MatMul4Bit`` keeps the packed weight and its quant state on ``ctx`` as
+# plain attributes. A graph that survived its block's residency would read whatever a
+# streamed slot holds next: forward exact, gradients silently wrong. So the recompute's
+# graph is built, differentiated and dropped between ``acquire`` and ``release`` of the
+# same backward step, and the no-grad forward builds no graph at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.residency.base import Pass, Residency
+
+
+class RematLayer:
+    """The forward installed on one decoder layer (an instance attribute; the class is untouched).
+
+    Under grad mode with something to differentiate, the call goes through
+    :class:`_RematFunction`; otherwise (validation, ``torch.no_grad()``) it runs the
+    layer directly. Either way the layer's weights are acquired from the residency first.
+
+    Args:
+        layer: The decoder layer.
+        index: Its position in the decoder stack.
+        params: Its trainable parameters (the adapters).
+        residency: Makes the layer's frozen tensors usable while it runs.
+    """
+
+    def __init__(self, layer: nn.Module, index: int, params: Sequence[nn.Parameter], residency: Residency) -> None:
+        self.layer = layer
+        self.index = index
+        self.params = tuple(params)
+        self.residency = residency
+        # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
+        self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
+        # The class's own forward: Hugging Face's checkpointing wrapper included, but that is
+        # switched off on the instance while this wrapper is installed (see `install`).
+        self._forward = type(layer).forward
+
+    def run(self, hidden: Tensor, call: LayerCall) -> Tensor:
+        """Evaluate the layer on ``hidden`` with the recorded call arguments."""
+        output = self._forward(self.layer, hidden, *call.args, **call.kwargs)
+        if not isinstance(output, Tensor):
+            raise TypeError(
+                f"BlockwiseStrategy expects decoder layer {self.index} ({type(self.layer).__name__}) to return the"
+                f" hidden states as a tensor, got {type(output).__name__}. This architecture is not supported."
+            )
+        return output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the layer as its own forward would be called: hidden states first, then its arguments."""
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        params = tuple(p for p in self.params if p.requires_grad)
+        if not torch.is_grad_enabled() or not (params or hidden.requires_grad):
+            self.residency.acquire(self.index, Pass.FORWARD)
+            output = self._forward(self.layer, hidden, *args, **kwargs)
+            self.residency.release(self.index, Pass.FORWARD)
+            return output
+        call = LayerCall.capture(hidden.device, args, kwargs)
+        rng = RngSnapshot.capture(hidden.device)
+        return _RematFunction.apply(self, call, rng, hidden, *params)
+
+
+class _RematFunction(torch.autograd.Function):
+    """See NOTE [ Exact rematerialization ]."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, remat: RematLayer, call: LayerCall, rng: RngSnapshot, hidden: Tensor, *params: nn.Parameter
+    ) -> Tensor:
+        remat.residency.acquire(remat.index, Pass.FORWARD)
+        output = remat.run(hidden, call)
+        remat.residency.release(remat.index, Pass.FORWARD)
+        ctx.remat, ctx.call, ctx.rng, ctx.params = remat, call, rng, params
+        ctx.save_for_backward(hidden)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        (hidden,) = ctx.saved_tensors
+        remat: RematLayer = ctx.remat
+        wants_input_grad = ctx.needs_input_grad[3]
+        params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:], strict=True) if needed]
+
+        remat.residency.acquire(remat.index, Pass.BACKWARD)
+        with ctx.rng.replay():
+            x = hidden.detach().requires_grad_(wants_input_grad)
+            with torch.enable_grad(), ctx.call.autocast_context():
+                output = remat.run(x, ctx.call)
+        inputs = [x, *params] if wants_input_grad else params
+        grads = list(torch.autograd.grad(output, inputs, grad_output, allow_unused=True))
+        # The recompute graph dies here, inside the residency (NOTE [ Graphs do not outlive residency ]).
+        del output
+        remat.residency.release(remat.index, Pass.BACKWARD)
+
+        grad_input = grads.pop(0) if wants_input_grad else None
+        grad_iter = iter(grads)
+        grad_params = [next(grad_iter) if needed else None for needed in ctx.needs_input_grad[4:]]
+        return (None, None, None, grad_input, *grad_params)
+
+
+def install(layers: Sequence[nn.Module], params: Sequence[Sequence[nn.Parameter]], residency: Residency) -> None:
+    """Install a :class:`RematLayer` as the ``forward`` of each layer, in place.
+
+    Parameter names, ``state_dict`` keys and the layer classes are unchanged; only the
+    instances get a ``forward`` attribute (removed by :func:`uninstall`). Hugging Face's own
+    gradient checkpointing is switched off on the instances meanwhile: the recompute
+    already does its job, and nesting it would run each layer a third time.
+    """
+    for index, (layer, layer_params) in enumerate(zip(layers, params, strict=True)):
+        uninstall([layer])
+        layer.forward = RematLayer(layer, index, layer_params, residency)
+        layer.gradient_checkpointing = False
+
+
+def uninstall(layers: Sequence[nn.Module]) -> None:
+    """Remove installed :class:`RematLayer` wrappers, restoring each layer's own forward and checkpointing flag."""
+    for layer in layers:
+        remat = vars(layer).get("forward")
+        if not isinstance(remat, RematLayer):
+            continue
+        del layer.forward
+        if remat.saved_checkpointing is None:
+            vars(layer).pop("gradient_checkpointing", None)
+        else:
+            layer.gradient_checkpointing = remat.saved_checkpointing
+
+
+def installed(layer: nn.Module) -> RematLayer | None:
+    """The wrapper installed on ``layer``, if any."""
+    remat = vars(layer).get("forward")
+    return remat if isinstance(remat, RematLayer) else None

@@ -1,0 +1,155 @@
+"""Where each part of the module lives during a blockwise run, and the host copy a model carries.
+
+Decoder layers' frozen tensors: the host arena (streamed, or copied once to the device for
+blocks the VRAM budget keeps resident), held with its block layouts in a :class:`HostCopy`
+that travels with the Hugging Face model (:func:`attach_host_copy`, :func:`host_copy_of`).
+The frozen, untied input embedding: host memory (NOTE [ Host embedding lookup ]). Everything
+else (adapters, the LM head, norms, rotary tables, bitsandbytes' 4-bit code tables): the
+compute device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_blockwise.architectures import DecoderStack, adapter_parameters
+from lightning_blockwise.compat.bitsandbytes import move_code_tables
+from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.residency.arena import HostArena
+from lightning_blockwise.residency.layout import BlockLayout, bind, layout_block, pack, unbound
+
+# The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
+# as long as the model (NOTE [ Exact-size pinned memory ] in arena.py). Read and written only by
+# `attach_host_copy` and `host_copy_of`.
+_HOST_COPY_ATTR = "_blockwise_host_copy"
+
+
+@dataclass(eq=False)
+class HostCopy:
+    """The host arena of one model's decoder layers and the block layouts laid out in it.
+
+    Attributes:
+        layer_ranges: The decoder layers of each block.
+        layouts: Each block's layout.
+        arena: The host arena; ``arena.slabs[b]`` holds block ``b``.
+        block_size: The decoder layers per block it was packed for (the last block may hold fewer).
+    """
+
+    layer_ranges: tuple[range, ...]
+    layouts: tuple[BlockLayout, ...]
+    arena: HostArena
+    block_size: int
+
+    def is_bound(self) -> bool:
+        """Whether every block still reads from its slab (nothing moved the model since)."""
+        return all(not unbound(layout, slab) for layout, slab in zip(self.layouts, self.arena.slabs, strict=True))
+
+    def unfit_for(self, plan: BlockPlan, pin: bool) -> str | None:
+        """Why this copy cannot serve a run of ``plan`` (page-locked if ``pin``), or ``None`` if it can.
+
+        Args:
+            plan: The run's blocks.
+            pin: Whether the run copies from the arena to a CUDA device, which needs it page-locked.
+        """
+        if self.layer_ranges != _layer_ranges(plan):
+            return (
+                f"it was packed in blocks of {self.block_size} layers but the strategy's `block_size` is"
+                f" {plan.block_size}; pass the same `block_size` to `load_blockwise` and the strategy to avoid it"
+            )
+        if not self.is_bound():
+            return (
+                "some of its tensors were replaced since it was packed (the model was moved, e.g. with `.to()`);"
+                " leave the model where `load_blockwise` put it and let the strategy place it"
+            )
+        if pin and not self.arena.pinned:
+            return (
+                "it is not page-locked and the strategy copies it to a CUDA device; load the model with"
+                " `load_blockwise(..., device=<that device>)` to page-lock it"
+            )
+        return None
+
+
+def attach_host_copy(model: nn.Module, copy: HostCopy) -> None:
+    """Hand ``copy`` over with ``model``: the host copy of its decoder layers, for the strategy to adopt.
+
+    The model keeps the copy, and so the arena its frozen tensors are views of, alive as long as
+    itself. :func:`load_blockwise` attaches the copy it packs, and the strategy the one it makes.
+
+    Args:
+        model: The Hugging Face model whose decoder layers are bound to ``copy``.
+        copy: The host copy.
+
+    Example::
+
+        attach_host_copy(model, copy)
+        assert host_copy_of(model) is copy
+    """
+    vars(model)[_HOST_COPY_ATTR] = copy
+
+
+def host_copy_of(model: nn.Module) -> HostCopy | None:
+    """The host copy attached to ``model`` (by :func:`load_blockwise` or an earlier run), or ``None``."""
+    return vars(model).get(_HOST_COPY_ATTR)
+
+
+def host_copy(stack: DecoderStack, plan: BlockPlan, pin: bool) -> HostCopy:
+    """The model's host copy for ``plan``: the one attached to it if it fits, or a new one packed block by block.
+
+    A copy that does not fit is repacked with a warning that says why. Packing a block and
+    binding its layers to the slab drops the previous copies of its tensors (on the GPU after
+    a standard load), one block at a time, so memory does not peak.
+
+    Raises:
+        MisconfigurationException: If the arena does not fit the available host RAM (checked
+            before anything is allocated).
+    """
+    existing = host_copy_of(stack.model)
+    if existing is not None:
+        reason = existing.unfit_for(plan, pin)
+        if reason is None:
+            return existing
+        rank_zero_warn(
+            f"BlockwiseStrategy is repacking the model's host copy: {reason}. Host RAM holds the old and the new"
+            " arena until the repack ends."
+        )
+    ranges = _layer_ranges(plan)
+    layouts = tuple(layout_block([stack.layers[i] for i in layers], first_index=layers[0]) for layers in ranges)
+    arena = HostArena([layout.nbytes for layout in layouts], pin=pin)
+    for layout, slab in zip(layouts, arena.slabs, strict=True):
+        pack(layout, slab)
+        bind(layout, slab)
+    copy = HostCopy(layer_ranges=ranges, layouts=layouts, arena=arena, block_size=plan.block_size)
+    attach_host_copy(stack.model, copy)
+    return copy
+
+
+def move_rest_to_device(module: nn.Module, stack: DecoderStack, device: torch.device, skip: list[nn.Module]) -> None:
+    """Move everything but the decoder layers' frozen tensors and the ``skip`` modules to ``device``.
+
+    Adapters inside the layers and bitsandbytes' small 4-bit code tables go to the device;
+    the frozen tensors stay bound to the host copy.
+    """
+    skipped = {id(layer) for layer in stack.layers} | {id(m) for m in skip}
+
+    def visit(sub: nn.Module) -> None:
+        if id(sub) in skipped:
+            return
+        sub._apply(lambda t: t.to(device), recurse=False)
+        for child in sub.children():
+            visit(child)
+
+    visit(module)
+    for layer in stack.layers:
+        for param in adapter_parameters(layer).values():
+            param.data = param.data.to(device)
+            if param.grad is not None:
+                param.grad = param.grad.to(device)
+        move_code_tables(layer, device)
+
+
+def _layer_ranges(plan: BlockPlan) -> tuple[range, ...]:
+    return tuple(plan.layers_of(b) for b in range(plan.num_blocks))

@@ -1,0 +1,237 @@
+"""Streaming blocks of frozen weights from the host arena through a fixed pool of device slots.
+
+# NOTE [ Slot reuse ]
+# A slot is refilled only after every kernel that reads the block it holds has finished.
+# ``release`` of a block's last layer in a pass records a ``freed`` event on the compute
+# stream right behind that layer's kernels; a copy into the slot first makes the copy
+# stream wait on that event. A layer reads its block only between ``acquire`` and
+# ``release`` (remat.py keeps each recompute graph inside that span, NOTE [ Graphs do
+# not outlive residency ]), so the event covers every read. In the other direction,
+# ``acquire`` makes the compute stream wait on the slot's ``copied`` event before the
+# layer's first kernel. Slots are allocated once and never freed while streaming, so
+# the caching allocator never hands their memory to anything else and no
+# ``record_stream`` is needed.
+#
+# NOTE [ Prefetch order ]
+# Blocks are needed 0..K-1 in the forward and K-1..0 in the backward. On each acquire the
+# streamer starts copies for the next ``prefetch_depth`` blocks in the pass's direction,
+# evicting the least recently used slot outside that window. With ``prefetch_depth + 1``
+# slots the blocks that end the forward are still resident when the backward starts at
+# them, and the blocks that end the backward are resident when the next forward starts:
+# no block is loaded twice in a row. An evicted block is rebound to its host slab (no
+# copy), so every module tensor always names memory that holds its value: a state_dict,
+# a checkpoint or a stray read after eviction sees the right bytes.
+#
+# NOTE [ Stream observer ]
+# The streamer tells its ``observer`` where copies, waits and layer runs begin and end, at
+# the point in stream order each happens: the copy hooks run while the copy stream is
+# current, the others while the compute stream is. An observer can record a CUDA event
+# right there (or read a host clock on the CPU) and read the timings later, without a
+# synchronize. The default observer does nothing, so the streamer needs no ``if`` for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.residency.base import Pass, Residency
+from lightning_blockwise.residency.layout import BlockLayout, views
+
+
+@dataclass
+class TransferStats:
+    """Host-to-device traffic since the last :meth:`BlockStreamer.reset_stats`."""
+
+    copies: int = 0
+    bytes: int = 0
+
+
+class StreamObserver:
+    """Receives the streamer's copies, waits and layer runs as they are issued; this base ignores them.
+
+    See NOTE [ Stream observer ]. Subclass it and hand an instance to
+    :meth:`~lightning_blockwise.BlockwiseStrategy.set_observer` to profile a run: the strategy
+    gives it to every streamer it builds.
+    """
+
+    def copy_started(self, block: int) -> None:
+        """A copy of ``block`` into its slot is about to be issued on the copy stream."""
+
+    def copy_finished(self, block: int, nbytes: int) -> None:
+        """The copy of ``block`` (``nbytes`` bytes) has been issued on the copy stream."""
+
+    def wait_started(self, block: int) -> None:
+        """The compute stream is about to wait for the copy of ``block``."""
+
+    def wait_finished(self, block: int) -> None:
+        """The compute stream's wait for the copy of ``block`` has been issued."""
+
+    def layer_started(self, layer: int, phase: Pass) -> None:
+        """Layer ``layer``'s block is usable; its kernels in ``phase`` follow on the compute stream."""
+
+    def layer_finished(self, layer: int, phase: Pass) -> None:
+        """The last kernel of layer ``layer`` in ``phase`` has been issued on the compute stream."""
+
+
+class BlockStreamer(Residency):
+    """Makes each block usable on ``device`` from its host slab, ahead of need.
+
+    On CUDA, copies run on a dedicated stream and are ordered with events
+    (NOTE [ Slot reuse ]); on the CPU the same slots are filled synchronously, which keeps
+    packing, slot reuse and rebinding exercised without a GPU.
+
+    Args:
+        plan: The block plan.
+        layouts: Each block's layout.
+        host_slabs: Each block's slab in the host arena.
+        device: The compute device.
+        prefetch_depth: Blocks copied ahead of the one in use.
+        resident: Blocks copied to the device once and kept there for the whole run.
+    """
+
+    def __init__(
+        self,
+        plan: BlockPlan,
+        layouts: Sequence[BlockLayout],
+        host_slabs: Sequence[Tensor],
+        device: torch.device,
+        prefetch_depth: int,
+        resident: Sequence[int] = (),
+    ) -> None:
+        self.plan = plan
+        self.layouts = list(layouts)
+        self.device = device
+        self.prefetch_depth = prefetch_depth
+        self._host_slabs = list(host_slabs)
+        self._host_views = [views(layout, slab) for layout, slab in zip(layouts, host_slabs, strict=True)]
+        self.resident = frozenset(resident)
+        self.streamed = [b for b in range(plan.num_blocks) if b not in self.resident]
+        self._resident_slabs = {b: self._host_slabs[b].to(device) for b in sorted(self.resident)}
+        for block, slab in self._resident_slabs.items():
+            self._bind(block, views(self.layouts[block], slab))
+        slot_bytes = max((self.layouts[b].nbytes for b in self.streamed), default=0)
+        num_slots = min(prefetch_depth + 1, len(self.streamed))
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self._slot_views: dict[tuple[int, int], list[Tensor]] = {}
+        self._slot_block: list[int | None] = [None] * num_slots
+        self._block_slot: dict[int, int] = {}
+        self._last_use = [0] * num_slots
+        self._clock = 0
+        self._cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._copied: list[torch.cuda.Event | None] = [None] * num_slots
+        self._freed: list[torch.cuda.Event | None] = [None] * num_slots
+        self.stats = TransferStats()
+        self.observer = StreamObserver()
+
+    def reset_stats(self) -> TransferStats:
+        """Return the transfer counters and start new ones."""
+        stats, self.stats = self.stats, TransferStats()
+        return stats
+
+    @override
+    def acquire(self, layer: int, phase: Pass) -> None:
+        block = self.plan.block_of(layer)
+        if block in self.resident:
+            self.observer.layer_started(layer, phase)
+            return
+        step = 1 if phase is Pass.FORWARD else -1
+        window = [block + step * k for k in range(self.prefetch_depth + 1)]
+        window = [b for b in window if 0 <= b < self.plan.num_blocks and b not in self.resident]
+        if block not in self._block_slot:
+            self._fetch(block, window)
+        slot = self._block_slot[block]
+        self._clock += 1
+        self._last_use[slot] = self._clock
+        if self._cuda and self._copied[slot] is not None:
+            self.observer.wait_started(block)
+            torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+            self.observer.wait_finished(block)
+        for ahead in window[1:]:
+            if ahead not in self._block_slot:
+                self._fetch(ahead, window)
+        # After the prefetches: on the CPU they are synchronous copies, not part of the layer's run.
+        self.observer.layer_started(layer, phase)
+
+    @override
+    def release(self, layer: int, phase: Pass) -> None:
+        self.observer.layer_finished(layer, phase)
+        block = self.plan.block_of(layer)
+        if block in self.resident:
+            return
+        layers = self.plan.layers_of(block)
+        last = layers[-1] if phase is Pass.FORWARD else layers[0]
+        if layer == last and self._cuda:
+            slot = self._block_slot[block]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._freed[slot] = event
+
+    def _fetch(self, block: int, window: Sequence[int]) -> None:
+        """Copy ``block`` into a free slot, or the least recently used one outside ``window``."""
+        free = [s for s, held in enumerate(self._slot_block) if held is None]
+        if free:
+            slot = free[0]
+        else:
+            candidates = [s for s, held in enumerate(self._slot_block) if held not in window]
+            slot = min(candidates, key=lambda s: self._last_use[s])
+            evicted = self._slot_block[slot]
+            assert evicted is not None
+            self._bind(evicted, self._host_views[evicted])
+            del self._block_slot[evicted]
+        layout = self.layouts[block]
+        host = self._host_slabs[block]
+        target = self.slots[slot][: layout.nbytes]
+        if self._cuda:
+            assert self._copy_stream is not None
+            with torch.cuda.stream(self._copy_stream):
+                if self._freed[slot] is not None:
+                    self._copy_stream.wait_event(self._freed[slot])
+                self.observer.copy_started(block)
+                target.copy_(host, non_blocking=True)
+                self.observer.copy_finished(block, layout.nbytes)
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+            self._copied[slot] = copied
+        else:
+            self.observer.copy_started(block)
+            target.copy_(host)
+            self.observer.copy_finished(block, layout.nbytes)
+        self.stats.copies += 1
+        self.stats.bytes += layout.nbytes
+        self._slot_block[slot] = block
+        self._block_slot[block] = slot
+        key = (block, slot)
+        if key not in self._slot_views:
+            self._slot_views[key] = views(layout, self.slots[slot])
+        # Binding before the copy lands is safe: nothing reads the block before `acquire`
+        # has made the compute stream wait for `copied`.
+        self._bind(block, self._slot_views[key])
+
+    def _bind(self, block: int, block_views: list[Tensor]) -> None:
+        layout = self.layouts[block]
+        for entry, view in zip(layout.entries, block_views, strict=True):
+            for binding in entry.bindings:
+                binding.rebind(view)
+
+    @override
+    def close(self) -> None:
+        """Bind every block back to its host slab and free the device memory and the copy stream."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        for block in [*self._block_slot, *self._resident_slabs]:
+            self._bind(block, self._host_views[block])
+        self._block_slot.clear()
+        self._resident_slabs.clear()
+        self._slot_block = [None] * len(self.slots)
+        self._slot_views.clear()
+        self.slots = []
+        self._copy_stream = None
+        self._copied = []
+        self._freed = []

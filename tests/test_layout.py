@@ -1,0 +1,169 @@
+"""The package layout: an acyclic, layered import graph; old module paths still work; old checkpoints resume."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_blockwise
+from lightning_blockwise.cli import build_cli
+
+PACKAGE = Path(lightning_blockwise.__file__).parent
+ROOT = PACKAGE.parent
+
+#: Layers from the bottom up: a module may import from its own layer and the layers below, never above.
+LAYERS: list[set[str]] = [
+    {"compat", "_deprecated"},
+    {"architectures"},
+    {"planning"},
+    {"residency"},
+    {"replay"},
+    # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
+    {"checkpointing", "loading", "sizing"},
+    {"strategy"},
+    {"verification", "profiling"},
+    {"callbacks"},
+    {"recipes", "demos"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+
+#: Module paths before the package grew folders, now deprecated aliases (`_deprecated.alias`).
+OLD_PATHS = {
+    "plan": ("BlockPlan", "lightning_blockwise.planning.blocks"),
+    "remat": ("install", "lightning_blockwise.replay.remat"),
+    "rng": ("RngSnapshot", "lightning_blockwise.replay.rng"),
+    "capture": ("LayerCall", "lightning_blockwise.replay.capture"),
+    "host": ("layout_block", "lightning_blockwise.residency.layout"),
+    "arena": ("HostArena", "lightning_blockwise.residency.arena"),
+    "streamer": ("BlockStreamer", "lightning_blockwise.residency.streamer"),
+    "placement": ("HostCopy", "lightning_blockwise.residency.placement"),
+    "embedding": ("HostEmbedding", "lightning_blockwise.residency.embedding"),
+    "sizing": ("model_sizes", "lightning_blockwise.planning.sizing"),
+    "loader": ("load_blockwise", "lightning_blockwise.loading.load"),
+    "finetune": ("CausalLMFineTune", "lightning_blockwise.recipes.finetune"),
+    "data": ("InstructionDataModule", "lightning_blockwise.recipes.data"),
+    "random_init": ("random_nf4_model", "lightning_blockwise.recipes.random_init"),
+    "demo": ("DemoCausalLM", "lightning_blockwise.demos.tiny"),
+}
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a dotted module name inside the package (its folder, or its file)."""
+    if module == "lightning_blockwise.planning.sizing":
+        return "sizing"
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def _modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name.split(".")[-1] in OLD_PATHS and len(parts) == 2:
+            continue  # a deprecated alias
+        found[name] = ast.parse(path.read_text())
+    return found
+
+
+def _imports(name: str, tree: ast.Module, top_level_only: bool) -> set[str]:
+    """Package modules ``name`` imports (``from lightning_blockwise.x import y`` counts ``x`` and ``x.y``)."""
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    targets = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets.add(node.module)
+            targets |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {t for t in targets if t.startswith("lightning_blockwise") and t != name}
+
+
+def _layer(unit: str) -> int:
+    (index,) = [i for i, layer in enumerate(LAYERS) if unit in layer]
+    return index
+
+
+def test_every_package_unit_has_a_layer() -> None:
+    units = {_unit(name) for name in _modules()}
+    assert units <= set().union(*LAYERS), units - set().union(*LAYERS)
+
+
+def test_imports_point_down_the_layers() -> None:
+    modules = _modules()
+    wrong = []
+    for name, tree in modules.items():
+        for target in _imports(name, tree, top_level_only=False):
+            if target not in modules or _unit(target) == "__init__":
+                continue  # a name imported from a package, or the package's public surface (lazily)
+            if _layer(_unit(target)) > _layer(_unit(name)):
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, wrong
+
+
+def test_module_import_graph_is_acyclic() -> None:
+    modules = _modules()
+    graph = {
+        name: {t for t in _imports(name, tree, top_level_only=True) if t in modules} for name, tree in modules.items()
+    }
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in graph[node]:
+            if state.get(target) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join([*path, node, target])}")
+            if target not in state:
+                visit(target, [*path, node])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+
+
+def test_callbacks_import_no_private_names() -> None:
+    for name, tree in _modules().items():
+        if _unit(name) != "callbacks":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_blockwise"):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                assert not private, f"{name} imports {private} from {node.module}"
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_old_module_paths_still_work_and_say_where_they_went(old: str) -> None:
+    name, new = OLD_PATHS[old]
+    sys.modules.pop(f"lightning_blockwise.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"lightning_blockwise.{old}")
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+    assert any(issubclass(w.category, DeprecationWarning) and new.rsplit(".", 1)[0] in str(w.message) for w in caught)
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+def test_checkpoint_written_before_the_move_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A demo checkpoint of the flat layout (its hyperparameters name `lightning_blockwise.demo.DemoCausalLM`)."""
+    checkpoint = ROOT / "tests" / "data" / "demo-before-layout.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["hyper_parameters"]["_class_path"] == "lightning_blockwise.demo.DemoCausalLM"
+    monkeypatch.setattr(sys, "argv", ["lightning-blockwise"])
+    args = ["fit", "--config", str(ROOT / "configs" / "demo.yaml"), f"--ckpt_path={checkpoint}"]
+    args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    args += ["--trainer.max_steps=3", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
+    args += ["--data.init_args.batch_size=2", "--trainer.num_sanity_val_steps=0"]
+    cli = build_cli(args)
+    assert cli.trainer.global_step == 3
+    # The adapters went on from the checkpoint's, not from a fresh initialization.
+    assert type(cli.model).__module__ == "lightning_blockwise.demos.tiny"
+    trained = dict(cli.model.named_parameters())
+    assert all(name in trained for name in saved["state_dict"])
