@@ -175,6 +175,7 @@ def measure(path: Path, arm: str) -> dict[str, object]:
 
     from lightning_blockwise import load_blockwise
     from lightning_blockwise.compat.bitsandbytes import nf4_config
+    from lightning_blockwise.residency.placement import host_copy_of
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the CUDA context belongs to the baseline, not the load
@@ -185,14 +186,18 @@ def measure(path: Path, arm: str) -> dict[str, object]:
     start = time.perf_counter()
     if arm == "standard":
         model = AutoModelForCausalLM.from_pretrained(
-            path, quantization_config=nf4_config(torch.bfloat16), dtype=torch.bfloat16, device_map="cuda:0"
+            path,
+            quantization_config=nf4_config(torch.bfloat16),
+            dtype=torch.bfloat16,
+            device_map="cuda:0",
+            local_files_only=True,
         )
     else:
         model = load_blockwise(path, compute_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - start
     sampler.stop()
-    copy = vars(model).get("_blockwise_host_copy")
+    copy = host_copy_of(model)
     return {
         "arm": arm,
         "path": str(path),

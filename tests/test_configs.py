@@ -20,7 +20,7 @@ from lightning_blockwise.cli import main
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from lightning_blockwise.residency.placement import _HOST_COPY_ATTR
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.models import CONFIGS as MODEL_CONFIGS
 from tests.models import VOCAB, trainer
 
@@ -104,7 +104,7 @@ def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str
         _fit_finetune(module, strategy, tmp_path)
     assert loaded.call_count == 1 and loaded.call_args.kwargs["block_size"] == 2
     base = module.model.get_base_model()
-    assert strategy.host_copy is vars(base)[_HOST_COPY_ATTR]
+    assert strategy.host_copy is host_copy_of(base)
     assert strategy.host_copy.layer_ranges == (range(0, 2), range(2, 4))
 
 

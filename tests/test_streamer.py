@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.residency.layout import unbound, views
+from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.residency.streamer import BlockStreamer, TransferStats
 from tests.models import CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
@@ -49,7 +50,7 @@ def test_blocks_are_bound_to_the_host_arena_after_fit(checkpoints: dict[str, Pat
     assert copy.arena.nbytes - copy.arena.bytes_needed < 256 * len(copy.layouts)
     # A second fit reuses the same arena: nothing grows.
     fit(module, BlockwiseStrategy(block_size=2), max_steps=1)
-    assert vars(module.model.get_base_model())["_blockwise_host_copy"] is copy
+    assert host_copy_of(module.model.get_base_model()) is copy
 
 
 @pytest.mark.parametrize("budget_blocks", [2, 4])

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from lightning_blockwise.residency.placement import _HOST_COPY_ATTR
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.models import GPU_SHAPES
 
 pytestmark = [
@@ -43,7 +43,7 @@ def test_finetune_loads_into_the_pinned_arena_and_trains(tmp_path: Path) -> None
     trainer.fit(module, datamodule=data)
 
     base = module.model.get_base_model()
-    copy = vars(base)[_HOST_COPY_ATTR]
+    copy = host_copy_of(base)
     assert strategy.host_copy is copy and copy.arena.pinned  # loaded once, in the strategy's block size
     peak = torch.cuda.max_memory_allocated()
     print(f"[gpu finetune] Llama-3.2-1B shape: fit peak {peak / 1e9:.2f} GB, arena {copy.arena.nbytes / 1e9:.2f} GB")
