@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.recipes.random_init import random_nf4_model
 
 SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
@@ -47,7 +48,7 @@ SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 #: Arms run by default; `blockwise:B:D[:BUDGET]` is BlockwiseStrategy(block_size=B, prefetch_depth=D,
 #: vram_budget=BUDGET), e.g. `blockwise:1:2:6GB`.
 DEFAULT_ARMS = ["resident", "resident_ckpt", "blockwise:1:2", "blockwise:2:2"]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_STYLE_PROJECTIONS)
 
 
 class BenchModule(pl.LightningModule):

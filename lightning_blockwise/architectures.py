@@ -17,6 +17,10 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers import PreTrainedModel
 
+#: The seven projections of a Llama-style decoder layer (Qwen2/3, Llama, Mistral, Gemma 2/3): LoRA on all of them is
+#: the usual QLoRA recipe. Phi-3 fuses them (``qkv_proj``, ``gate_up_proj``).
+LLAMA_STYLE_PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 #: ``config.model_type`` values whose blockwise training is tested bit-identical to resident training.
 VALIDATED_MODEL_TYPES: frozenset[str] = frozenset(
     {"qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3"}

@@ -11,6 +11,16 @@ from transformers import AutoModelForCausalLM
 from tests.models import CONFIGS, save_checkpoint
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one GPU gate: tests marked ``gpu`` are skipped without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked `gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state() -> Iterator[None]:
     """Each test starts from the same seed and leaves the global torch state as it found it."""

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
+from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 
 VOCAB = 96
@@ -66,7 +67,7 @@ GPU_SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 TARGETS: dict[str, list[str]] = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
-_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_TARGETS = list(LLAMA_STYLE_PROJECTIONS)
 
 
 def nf4_lora_builder(
@@ -128,7 +129,7 @@ def build_model(
         r=4,
         lora_alpha=8,
         lora_dropout=lora_dropout,
-        target_modules=TARGETS.get(model_type, _DEFAULT_TARGETS),
+        target_modules=TARGETS.get(model_type, DEFAULT_TARGETS),
         # Random B as well as A, so that every adapter gradient is non-zero from the first step.
         init_lora_weights=False,
     )

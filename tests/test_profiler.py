@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -209,7 +208,6 @@ def gpu_checkpoint(small_llama_checkpoint: Path) -> Path:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_gpu_bytes_per_step_match_the_plan_and_png(gpu_checkpoint: Path, tmp_path: Path, block_size: int) -> None:
     logger = CSVLogger(tmp_path, name="run")

@@ -30,6 +30,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
+from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, nf4_config
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
 from lightning_blockwise.recipes.schedules import warmup_cosine
@@ -38,7 +39,7 @@ from lightning_blockwise.recipes.schedules import warmup_cosine
 PAD_TOKEN_ID = 0
 
 #: The LoRA targets: every projection of a Qwen2 decoder layer.
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = list(LLAMA_STYLE_PROJECTIONS)
 
 
 def build_base_model(

@@ -18,6 +18,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.checkpointing import is_quantization_metadata
 from tests.models import (
+    DEFAULT_TARGETS,
     CausalLMModule,
     RunResult,
     assert_equal_runs,
@@ -28,12 +29,9 @@ from tests.models import (
     trainer_optimizer,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = DEFAULT_TARGETS
 BATCHES = 6
 RESUME_AT = BATCHES + 2
 TOTAL = 2 * BATCHES + 2

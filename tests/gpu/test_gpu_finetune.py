@@ -18,10 +18,7 @@ from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.models import GPU_SHAPES
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def test_finetune_loads_into_the_pinned_arena_and_trains(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.replay.rng import RngSnapshot
 from tests.models import (
+    DEFAULT_TARGETS,
     GPU_SHAPES,
     CausalLMModule,
     RunResult,
@@ -32,10 +33,7 @@ from tests.models import (
     runs_differ,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 SEQ = 512
 STEPS = 20
@@ -55,8 +53,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _builder(path: Path, use_dora: bool = False) -> Callable[[], torch.nn.Module]:
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return nf4_lora_builder(path, targets, r=16, use_dora=use_dora)
+    return nf4_lora_builder(path, DEFAULT_TARGETS, r=16, use_dora=use_dora)
 
 
 def _fit_gpu(path: Path, strategy: Any, deterministic: bool, use_dora: bool = False, steps: int = STEPS) -> RunResult:

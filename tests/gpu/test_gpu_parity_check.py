@@ -22,10 +22,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.callbacks.parity import ParityCheck
 from tests.models import CausalLMModule, assert_equal_runs, fit, padded_batches
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 NUM_LAYERS = 8
 

@@ -19,10 +19,7 @@ from lightning_blockwise.replay import remat
 from lightning_blockwise.residency.streamer import BlockStreamer
 from tests.models import CausalLMModule, assert_equal_runs, fit, nf4_lora_builder, padded_batches, runs_differ
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
