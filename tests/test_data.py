@@ -1,4 +1,4 @@
-"""Instruction and synthetic data modules (lightning_blockwise/data.py)."""
+"""Instruction and synthetic data modules (lightning_blockwise/recipes/: records, encoding, sampling, data)."""
 
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ def test_jsonl_record_that_is_not_an_object_names_its_line(tmp_path: Path) -> No
         load_records(path)
 
 
-# Resumable data order: see NOTE [ Resumable data order ] in lightning_blockwise/data.py.
+# Resumable data order: see NOTE [ Resumable data order ] in lightning_blockwise/recipes/sampling.py.
 
 
 def _numbered(path: Path, count: int = 22) -> Path:
