@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bitsandbytes.nn import Linear4bit
-from bitsandbytes.utils import unpack_tensor_to_dict
 from torch import Tensor, nn
 
-from lightning_blockwise.residency.layout import BlockLayout, views
+# What a checkpoint needs from bitsandbytes' state-dict entries; importable from here as before.
+from lightning_blockwise.compat.bitsandbytes import is_saved_quantization_metadata as is_quantization_metadata
+from lightning_blockwise.compat.bitsandbytes import saved_nested_offsets
+from lightning_blockwise.residency.binding import views
+from lightning_blockwise.residency.layout import BlockLayout
 
 #: The checkpoint key under which the strategy keeps what it adds to Lightning's checkpoint.
 CHECKPOINT_KEY = "blockwise"
@@ -35,9 +37,6 @@ FORMAT_VERSION = 1
 # Bytes sampled per tensor for the fingerprint: enough that two different bases (another seed,
 # other trained weights) differ in some sampled byte, few enough that a 72B base takes a second.
 _SAMPLES_PER_TENSOR = 4096
-
-# bitsandbytes' state-dict entry that packs a quant state's non-tensor fields (and the nested offset) as JSON.
-_BNB_JSON = "quant_state.bitsandbytes__nf4"
 
 # Config entries that name where a model came from, not what it is.
 _CONFIG_NOISE = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
@@ -50,8 +49,8 @@ _CONFIG_NOISE = ("_name_or_path", "name_or_path", "transformers_version", "_comm
 # sample of every frozen tensor's bytes, so a lean checkpoint resumed over another base (same
 # shapes, other weights) is refused instead of silently training a different model. With
 # `save_frozen_base=True` the file is self-contained: every frozen tensor once, read from the host
-# copy (never a device slot: NOTE [ One storage per slab entry ] in host.py), written straight to
-# disk so that nothing of the base is copied in host memory.
+# copy (never a device slot: NOTE [ One storage per slab entry ] in residency/binding.py), written
+# straight to disk so that nothing of the base is copied in host memory.
 
 
 @dataclass(frozen=True)
@@ -126,37 +125,6 @@ class HostViews:
         if view is None or view.dtype != tensor.dtype or view.shape != tensor.shape:
             return None
         return view
-
-
-def saved_nested_offsets(module: nn.Module, state: Mapping[str, Any]) -> list[tuple[Tensor, Tensor]]:
-    """Each 4-bit linear's current nested-quantization ``offset`` tensor, with its value saved in ``state``.
-
-    bitsandbytes folds the offset into ``<linear>.weight.quant_state.bitsandbytes__nf4``, a JSON
-    tensor of the state dict, instead of saving it as a tensor of its own.
-
-    Args:
-        module: The module whose state dict ``state`` is.
-        state: A state dict of ``module``; linears whose JSON tensor it lacks are skipped.
-    """
-    found = []
-    for name, sub in module.named_modules():
-        if not isinstance(sub, Linear4bit) or sub.weight.quant_state is None or not sub.weight.quant_state.nested:
-            continue
-        key = f"{name}.weight.{_BNB_JSON}"
-        if key in state:
-            current = sub.weight.quant_state.offset
-            saved = unpack_tensor_to_dict(state[key])["nested_offset"]
-            found.append((current, torch.tensor(saved, dtype=current.dtype).reshape(current.shape)))
-    return found
-
-
-def is_quantization_metadata(key: str) -> bool:
-    """Whether ``key`` is a bitsandbytes state-dict entry that no module tensor is loaded from.
-
-    The code tables (``quant_map``, ``nested_quant_map``) are constants of the NF4 format and the
-    JSON tensor describes the quantization (its offset is read by :func:`saved_nested_offsets`).
-    """
-    return key.endswith((".quant_map", ".nested_quant_map", f".{_BNB_JSON}"))
 
 
 class FrozenBase:

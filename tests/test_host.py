@@ -18,18 +18,14 @@ from lightning_blockwise.architectures import adapter_parameters, find_decoder_s
 from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
 from lightning_blockwise.planning import sizing
 from lightning_blockwise.residency.arena import HostArena
+from lightning_blockwise.residency.binding import BindingKind, bind, pack, unbound, views
 from lightning_blockwise.residency.layout import (
     ALIGNMENT,
-    BindingKind,
     BlockLayout,
     align_up,
-    bind,
     frozen_tensors,
     layout_block,
-    pack,
     tensor_offsets,
-    unbound,
-    views,
 )
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.models import CONFIGS, NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
@@ -120,7 +116,7 @@ def _slot_copy(layout: BlockLayout, host: Tensor) -> Tensor:
 
 
 def _expected_names(layers: Sequence[nn.Module], first_index: int) -> set[str]:
-    """Every name a frozen tensor of ``layers`` is reachable under, found independently of host.py."""
+    """Every name a frozen tensor of ``layers`` is reachable under, found independently of residency/layout.py."""
     names = set()
     for index, layer in enumerate(layers, start=first_index):
         adapters = {id(p) for p in adapter_parameters(layer).values()}
@@ -189,7 +185,7 @@ def test_pack_round_trips_bit_exactly(checkpoints: dict[str, Path], model_type: 
             assert torch.equal(_bytes(binding.current()), expected), entry.names
     for weight, expected in zip(weights, dequantized, strict=True):
         state = weight.quant_state
-        # NOTE [ One storage per slab entry ] in host.py: each tensor has a storage of its own inside the slab.
+        # NOTE [ One storage per slab entry ] in binding.py: each tensor has a storage of its own inside the slab.
         for tensor in (weight.data, state.absmax, state.offset, state.state2.absmax):
             assert _inside(tensor, host)
         assert torch.equal(bnbf.dequantize_4bit(weight.data, state), expected)

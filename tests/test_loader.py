@@ -170,7 +170,7 @@ def test_host_copy_is_the_arena(saved: dict[str, Path]) -> None:
     arena = copy.arena.storage
     for layer in layers:
         for param in layer.parameters():
-            # NOTE [ One storage per slab entry ] in host.py: a storage of its own, inside the arena.
+            # NOTE [ One storage per slab entry ] in residency/binding.py: a storage of its own, inside the arena.
             start = param.untyped_storage().data_ptr()
             assert (
                 arena.data_ptr() <= start
@@ -382,7 +382,7 @@ def test_not_enough_host_ram(saved: dict[str, Path], monkeypatch: pytest.MonkeyP
     """Refused from config.json alone, before any shard is opened."""
     arena = lightning_blockwise.residency.arena
     monkeypatch.setattr(arena, "available_host_memory", lambda: arena.HOST_RAM_RESERVE)
-    monkeypatch.setattr("lightning_blockwise.loading.load.safe_open", _refuse)
+    monkeypatch.setattr("lightning_blockwise.loading.files.safe_open", _refuse)
     with pytest.raises(
         MisconfigurationException, match=r"host arena \(predicted from config\.json\), but only 2\.15 GB"
     ):

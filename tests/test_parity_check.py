@@ -21,9 +21,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, remat, verification
+from lightning_blockwise import BlockwiseStrategy, remat
 from lightning_blockwise.callbacks.parity import ParityCheck, ParityError
 from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.verification import check as verification_check
 from tests.models import (
     NUM_LAYERS,
     CausalLMModule,
@@ -55,13 +56,13 @@ def _break_rng_replay(monkeypatch: pytest.MonkeyPatch) -> None:
 def arms(monkeypatch: pytest.MonkeyPatch) -> list[list[bool]]:
     """Per step the check runs: which decoder layers ran resident (no remat wrapper installed)."""
     seen: list[list[bool]] = []
-    original = verification._step
+    original = verification_check._step
 
     def spy(strategy: BlockwiseStrategy, *args: Any) -> dict[str, Tensor | None]:
         seen.append([remat.installed(layer) is None for layer in strategy._layers])
         return original(strategy, *args)
 
-    monkeypatch.setattr(verification, "_step", spy)
+    monkeypatch.setattr(verification_check, "_step", spy)
     return seen
 
 
@@ -135,7 +136,7 @@ def test_check_leaves_a_shuffling_loader_alone(kind: str, num_workers: int) -> N
 def test_control_loader_generator_not_restored_shifts_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without putting the loader's own generator back, the check's iterator changes the run's batches."""
     unchecked = _run_with([], "own", 0)
-    monkeypatch.setattr(verification, "_generators", lambda dataloaders: [])
+    monkeypatch.setattr(verification_check, "_generators", lambda dataloaders: [])
     assert runs_differ(_run_with([ParityCheck()], "own", 0), unchecked)
 
 

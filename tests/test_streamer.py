@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.residency.layout import unbound, views
+from lightning_blockwise.residency.binding import unbound, views
 from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.residency.streamer import BlockStreamer, TransferStats
 from tests.models import CausalLMModule, assert_equal_runs, build_model, fit, runs_differ

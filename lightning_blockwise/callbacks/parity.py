@@ -29,8 +29,8 @@ class ParityCheck(Callback):
     compares the loss and every adapter gradient with ``torch.equal``. On a mismatch it
     reruns the resident arm to tell a nondeterministic stack from a broken replay. The run
     afterwards is as if the check had never run (NOTE [ Parity check leaves no trace ] in
-    verification.py). When the resident reference does not fit, only the leading blocks that
-    do are checked (NOTE [ Prefix parity ] in verification.py); :meth:`ParityResult.scope`
+    verification/check.py). When the resident reference does not fit, only the leading blocks that
+    do are checked (NOTE [ Prefix parity ] in verification/check.py); :meth:`ParityResult.scope`
     says what was checked. The steps run in :func:`~lightning_blockwise.verification.check_step`.
 
     The result is logged once to every logger of the Trainer (at ``trainer.global_step``)

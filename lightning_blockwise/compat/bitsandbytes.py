@@ -5,8 +5,11 @@
   their dtypes, shapes and bytes predicted from the weight's size (:class:`Nf4Format`,
   :func:`nf4_tensor_bytes`), and the code tables left on the compute device (:func:`code_table_bytes`,
   :func:`move_code_tables`).
-- Loading: quantizing (:func:`quantize_like`), deserializing a saved weight (:func:`deserialize`), moving
-  one to the host (:func:`move_to_host`), and the state-dict keys ``save_pretrained`` writes next to it.
+- Loading: converting a meta model's linears (:func:`replace_with_4bit_linears`), quantizing
+  (:func:`quantize_like`), deserializing a saved weight (:func:`deserialize`, :func:`saved_quant_type`), moving
+  one to the host (:func:`move_to_host`).
+- The state-dict entries ``save_pretrained`` writes next to a 4-bit weight (:data:`SAVED_WEIGHT_ENTRIES`), and
+  what checkpoints read from them (:func:`saved_nested_offsets`, :func:`is_saved_quantization_metadata`).
 - The CPU inference kernel: :func:`disable_cpu_repack`, :func:`restore_cpu_repack`, :func:`is_repacked_for_cpu`.
 
 Example::
@@ -17,14 +20,18 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from bitsandbytes.functional import QuantState
 from bitsandbytes.nn import Linear4bit, Params4bit
+from bitsandbytes.utils import unpack_tensor_to_dict
 from torch import Tensor, nn
-from transformers import BitsAndBytesConfig
+from transformers import BitsAndBytesConfig, PreTrainedModel
+from transformers.integrations import replace_with_bnb_linear
+from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
 # The 4-bit data type, and whether the absmax are quantized again: NF4 with double quantization.
 _QUANT_TYPE = "nf4"
@@ -35,6 +42,12 @@ SAVED_STATE_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_ma
 #: The prefix of the state-dict entry that packs a quant state's non-tensor fields (and the nested
 #: offset) as JSON; the 4-bit type (``nf4``, ``fp4``) follows it.
 SAVED_STATE_JSON_PREFIX = "quant_state.bitsandbytes__"
+#: The JSON entry of an NF4 weight (it also carries the nested offset).
+SAVED_STATE_JSON = f"{SAVED_STATE_JSON_PREFIX}{_QUANT_TYPE}"
+# The 4-bit types whose JSON entry a saved weight may have.
+_SAVED_QUANT_TYPES = ("nf4", "fp4")
+#: Every key suffix ``save_pretrained`` may write next to a 4-bit weight (NF4 or FP4), in the order they are read.
+SAVED_WEIGHT_ENTRIES = (*SAVED_STATE_SUFFIXES, *(f"{SAVED_STATE_JSON_PREFIX}{kind}" for kind in _SAVED_QUANT_TYPES))
 
 
 def nf4_config(compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig:
@@ -185,6 +198,29 @@ def move_code_tables(module: nn.Module, device: torch.device) -> None:
                 state.state2.code = state.state2.code.to(device)
 
 
+def replace_with_4bit_linears(model: PreTrainedModel, config: BitsAndBytesConfig) -> None:
+    """Convert a meta model's linears to ``Linear4bit`` in place, as ``from_pretrained(quantization_config=config)``.
+
+    With transformers' own skip list, so ``lm_head``, the model's fp32 modules and
+    ``config.llm_int8_skip_modules`` stay unquantized (NOTE [ Same bytes as from_pretrained ] in
+    loading/nf4.py).
+    """
+    skip = Bnb4BitHfQuantizer(config).get_modules_to_not_convert(
+        model, config.llm_int8_skip_modules, model._keep_in_fp32_modules
+    )
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config, pre_quantized=False)
+
+
+def named_4bit_linears(module: nn.Module) -> Iterator[tuple[str, Linear4bit]]:
+    """``(name, module)`` of every bitsandbytes 4-bit linear in ``module``, as ``named_modules`` gives them."""
+    return ((name, sub) for name, sub in module.named_modules() if isinstance(sub, Linear4bit))
+
+
+def is_4bit_weight(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner.<attr>`` is the weight of a bitsandbytes 4-bit linear (quantized, or to be quantized)."""
+    return isinstance(owner, Linear4bit) and attr == "weight"
+
+
 def quantize_like(meta_weight: Params4bit, value: Tensor, device: torch.device) -> Params4bit:
     """Quantize ``value`` on ``device`` with the settings of ``meta_weight``, as transformers' ``Bnb4bitQuantize``.
 
@@ -200,11 +236,22 @@ def deserialize(module: Linear4bit, data: Tensor, stats: Mapping[str, Tensor]) -
     Args:
         module: The ``Linear4bit`` the weight belongs to.
         data: The packed weight as saved.
-        stats: Its saved statistics by key suffix (:data:`SAVED_STATE_SUFFIXES` and the JSON entry).
+        stats: Its saved statistics by key suffix (:data:`SAVED_WEIGHT_ENTRIES`).
     """
     return Params4bit.from_prequantized(
         data=data, quantized_stats=dict(stats), requires_grad=False, device="cpu", module=module
     )
+
+
+def saved_quant_type(stats: Mapping[str, Tensor]) -> str | None:
+    """The 4-bit type (``"nf4"``, ``"fp4"``) a saved weight's statistics declare, or ``None`` if they are incomplete.
+
+    Args:
+        stats: The entries saved next to the weight, by key suffix (:data:`SAVED_WEIGHT_ENTRIES`).
+    """
+    if "absmax" not in stats:
+        return None
+    return next((kind for kind in _SAVED_QUANT_TYPES if f"{SAVED_STATE_JSON_PREFIX}{kind}" in stats), None)
 
 
 def move_to_host(weight: Params4bit) -> None:
@@ -214,6 +261,37 @@ def move_to_host(weight: Params4bit) -> None:
     weight.data = weight.data.to("cpu")
     # `QuantState.to` moves absmax, code, offset and the nested state in place.
     weight.quant_state.to(torch.device("cpu"))
+
+
+def saved_nested_offsets(module: nn.Module, state: Mapping[str, Any]) -> list[tuple[Tensor, Tensor]]:
+    """Each 4-bit linear's current nested-quantization ``offset`` tensor, with its value saved in ``state``.
+
+    bitsandbytes folds the offset into ``<linear>.weight.quant_state.bitsandbytes__nf4``, a JSON
+    tensor of the state dict, instead of saving it as a tensor of its own.
+
+    Args:
+        module: The module whose state dict ``state`` is.
+        state: A state dict of ``module``; linears whose JSON tensor it lacks are skipped.
+    """
+    found = []
+    for name, sub in named_4bit_linears(module):
+        if sub.weight.quant_state is None or not sub.weight.quant_state.nested:
+            continue
+        key = f"{name}.weight.{SAVED_STATE_JSON}"
+        if key in state:
+            current = sub.weight.quant_state.offset
+            saved = unpack_tensor_to_dict(state[key])["nested_offset"]
+            found.append((current, torch.tensor(saved, dtype=current.dtype).reshape(current.shape)))
+    return found
+
+
+def is_saved_quantization_metadata(key: str) -> bool:
+    """Whether ``key`` is a bitsandbytes state-dict entry that no module tensor is loaded from.
+
+    The code tables (``quant_map``, ``nested_quant_map``) are constants of the NF4 format and the
+    JSON tensor describes the quantization (its offset is read by :func:`saved_nested_offsets`).
+    """
+    return key.endswith((".quant_map", ".nested_quant_map", f".{SAVED_STATE_JSON}"))
 
 
 # NOTE [ bitsandbytes CPU inference kernel ]

@@ -20,7 +20,8 @@ from lightning_blockwise.architectures import DecoderStack, adapter_parameters
 from lightning_blockwise.compat.bitsandbytes import move_code_tables
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.arena import HostArena
-from lightning_blockwise.residency.layout import BlockLayout, bind, layout_block, pack, unbound
+from lightning_blockwise.residency.binding import bind, pack, unbound
+from lightning_blockwise.residency.layout import BlockLayout, layout_block
 
 # The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
 # as long as the model (NOTE [ Exact-size pinned memory ] in arena.py). Read and written only by

@@ -41,7 +41,8 @@ from typing_extensions import override
 
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.base import Pass, Residency
-from lightning_blockwise.residency.layout import BlockLayout, views
+from lightning_blockwise.residency.binding import views
+from lightning_blockwise.residency.layout import BlockLayout
 
 
 @dataclass
