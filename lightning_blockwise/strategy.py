@@ -307,7 +307,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
         The strategy replaces its streamer at times (:meth:`resident_prefix`, loading a checkpoint
         with the frozen base); each new one reports to the observer set here, so it is set once.
-        See NOTE [ Stream observer ] in streamer.py.
+        See NOTE [ Stream observer ] in residency/streamer.py.
 
         Args:
             observer: The observer, or ``None`` for the no-op
@@ -357,7 +357,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         # it evicts is rebound to its host slab, a prefetched one to a slot view. A prefix block
         # bound to a device copy behind its back would be rebound under a live resident graph,
         # whose bitsandbytes quant states are read at backward time (NOTE [ Graphs do not
-        # outlive residency ] in remat.py). So the run's streamer is closed and a streamer that
+        # outlive residency ] in replay/remat.py). So the run's streamer is closed and a streamer that
         # keeps the prefix blocks resident (the device copies) drives the context; on exit that
         # one is closed as well and a fresh streamer of the run's plan, bound as after setup,
         # takes over. Device memory meanwhile: the run's slots and resident blocks plus the prefix.
@@ -406,7 +406,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 "format_version": FORMAT_VERSION,
                 "frozen_base": self.save_frozen_base,
                 "base_fingerprint": self._frozen_base.fingerprint,
-                # NOTE [ Exact resume ] in rng.py.
+                # NOTE [ Exact resume ] in replay/rng.py.
                 "rng": GlobalRngState.capture().state_dict(),
             }
         if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
@@ -465,7 +465,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cpu":
             self._refuse_cpu_eval_mode_4bit()
         if self._rng_to_restore is not None:
-            # NOTE [ Exact resume ] in rng.py. Here, after the loops, the data and every `on_train_start`
+            # NOTE [ Exact resume ] in replay/rng.py. Here, after the loops, the data and every `on_train_start`
             # hook are set up and before the first batch is drawn, as where the checkpoint was written.
             GlobalRngState.from_state_dict(self._rng_to_restore).restore()
             self._rng_to_restore = None

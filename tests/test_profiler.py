@@ -41,7 +41,7 @@ class _BytesPerBatch(Callback):
 
 
 def predicted_bytes_per_batch(layouts: list[BlockLayout], resident: set[int], prefetch_depth: int) -> tuple[int, int]:
-    """Bytes of the first and of every later batch, from NOTE [ Prefetch order ] in streamer.py.
+    """Bytes of the first and of every later batch, from NOTE [ Prefetch order ] in residency/streamer.py.
 
     The forward loads the streamed blocks in order and the backward in reverse, except the
     ``prefetch_depth + 1`` blocks still in the slots at each turn: those that end the forward

@@ -158,7 +158,7 @@ def _ms(origin: Mark, mark: Mark) -> float:
 
 # NOTE [ Profiler timing ]
 # The profiler must not slow the run it measures, so it never synchronizes per layer. While
-# a training batch runs, its observer (NOTE [ Stream observer ] in streamer.py) records a
+# a training batch runs, its observer (NOTE [ Stream observer ] in residency/streamer.py) records a
 # CUDA event on the stream where each copy, each wait of the compute stream for a copy and
 # each layer run begins and ends, plus one event at the batch's start and end on the
 # compute stream. Nothing reads them then: after each batch the profiler reads the batches

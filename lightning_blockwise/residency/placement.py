@@ -24,7 +24,7 @@ from lightning_blockwise.residency.binding import bind, pack, unbound
 from lightning_blockwise.residency.layout import BlockLayout, layout_block
 
 # The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
-# as long as the model (NOTE [ Exact-size pinned memory ] in arena.py). Read and written only by
+# as long as the model (NOTE [ Exact-size pinned memory ] in residency/arena.py). Read and written only by
 # `attach_host_copy` and `host_copy_of`.
 _HOST_COPY_ATTR = "_blockwise_host_copy"
 
