@@ -37,7 +37,15 @@ def plans(out: Path) -> None:
 
 def layouts_and_setup(out: Path) -> None:
     from lightning_blockwise import BlockwiseStrategy
-    from tests.models import CONFIGS, CausalLMModule, build_model, loader, padded_batches, save_checkpoint, trainer
+    from tests.helpers.models import (
+        CONFIGS,
+        CausalLMModule,
+        build_model,
+        loader,
+        padded_batches,
+        save_checkpoint,
+        trainer,
+    )
 
     records = io.StringIO()
     handler = logging.StreamHandler(records)
@@ -70,7 +78,7 @@ def layouts_and_setup(out: Path) -> None:
 def demo_losses(out: Path) -> None:
     with tempfile.TemporaryDirectory() as root:
         override = Path(root) / "override.yaml"
-        record = {"class_path": "tests.resume_callbacks.RecordLosses", "init_args": {"directory": f"{root}/losses"}}
+        record = {"class_path": "tests.helpers.callbacks.RecordLosses", "init_args": {"directory": f"{root}/losses"}}
         override.write_text(
             json.dumps(
                 {

@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from tests.models import CONFIGS, save_checkpoint
+from tests.helpers.models import CONFIGS, save_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

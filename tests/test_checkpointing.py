@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRando
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY, BaseKeys
 from lightning_blockwise.replay.rng import GlobalRngState
-from tests.models import (
+from tests.helpers.models import (
     CausalLMModule,
     RunResult,
     assert_equal_runs,

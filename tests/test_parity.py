@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay.rng import RngSnapshot
-from tests.models import CONFIGS, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import CONFIGS, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
 ARCHS = sorted(CONFIGS)
 

@@ -20,7 +20,7 @@ from torch import nn
 import lightning_blockwise
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import remat
-from tests.models import (
+from tests.helpers.models import (
     CausalLMModule,
     assert_equal_runs,
     build_model,

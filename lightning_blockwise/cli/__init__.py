@@ -87,7 +87,7 @@ class _BlockwiseCLI(LightningCLI):
     # Here the model config Lightning merged becomes the default of `model` and the arguments are parsed again,
     # from the start, so the order is jsonargparse's own with the checkpoint in the place of the defaults:
     # class defaults < checkpoint < config files < command-line flags. Each argument is applied once (a
-    # `--trainer.callbacks+=...` appends one callback, not two). `tests/test_cli.py` pins this behaviour, so a
+    # `--trainer.callbacks+=...` appends one callback, not two). `tests/cli/test_cli.py` pins this behaviour, so a
     # Lightning release that renames the private hook fails there rather than silently.
     @override
     def _parse_ckpt_path(self) -> None:

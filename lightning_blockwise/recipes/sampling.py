@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 # A run resumed from a checkpoint must train on the batches the uninterrupted run would have trained on next: the
 # rest of the interrupted epoch, then every later epoch in the same order. A `DataLoader` that shuffles with a
 # generator seeded afresh in `train_dataloader()` replays epoch 0 from its first batch after any resume. Four things
-# make the order resumable (tests/test_data.py resumes `Trainer.fit` from each kind of checkpoint named here):
+# make the order resumable (tests/recipes/test_data.py resumes `Trainer.fit` from each kind of checkpoint named here):
 #
 # 1. An epoch's order is a function of `seed` and the epoch number alone (`_EpochOrder`: a permutation from a
 #    generator seeded with `seed + epoch`, `DistributedSampler`'s rule), not of a generator's state carried from

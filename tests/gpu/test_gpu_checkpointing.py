@@ -17,7 +17,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.checkpointing import is_quantization_metadata
-from tests.models import (
+from tests.helpers.models import (
     DEFAULT_TARGETS,
     CausalLMModule,
     RunResult,

@@ -16,7 +16,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.models import GPU_SHAPES
+from tests.helpers.models import GPU_SHAPES
 
 pytestmark = pytest.mark.gpu
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.replay.rng import RngSnapshot
-from tests.models import (
+from tests.helpers.models import (
     DEFAULT_TARGETS,
     GPU_SHAPES,
     CausalLMModule,

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.callbacks.parity import ParityCheck
-from tests.models import CausalLMModule, assert_equal_runs, fit, padded_batches
+from tests.helpers.models import CausalLMModule, assert_equal_runs, fit, padded_batches
 
 pytestmark = pytest.mark.gpu
 

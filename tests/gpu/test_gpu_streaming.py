@@ -17,7 +17,7 @@ import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import remat
 from lightning_blockwise.residency.streamer import BlockStreamer
-from tests.models import CausalLMModule, assert_equal_runs, fit, nf4_lora_builder, padded_batches, runs_differ
+from tests.helpers.models import CausalLMModule, assert_equal_runs, fit, nf4_lora_builder, padded_batches, runs_differ
 
 pytestmark = pytest.mark.gpu
 

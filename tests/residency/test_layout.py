@@ -28,7 +28,7 @@ from lightning_blockwise.residency.layout import (
     tensor_offsets,
 )
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.models import CONFIGS, NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
+from tests.helpers.models import CONFIGS, NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
 
 MODEL_TYPES = ["llama", "gemma2", "phi3"]
 BLOCK_SIZE = 2

@@ -17,7 +17,7 @@ from torch import Tensor
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.replay import capture, remat
 from lightning_blockwise.replay.rng import RngSnapshot
-from tests.models import (
+from tests.helpers.models import (
     NUM_LAYERS,
     CausalLMModule,
     assert_equal_runs,

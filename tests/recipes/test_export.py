@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from tests.models import build_model, trainer
+from tests.helpers.models import build_model, trainer
 
 ADAPTER = "adapter_model.safetensors"
 

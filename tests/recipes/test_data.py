@@ -22,7 +22,7 @@ from lightning_blockwise.recipes.data import (
     real_targets,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: A minimal chat template: each turn is <|role|>content</s>, and the generation prompt opens the assistant turn.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"

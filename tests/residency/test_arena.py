@@ -14,7 +14,7 @@ import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.residency import arena
 from lightning_blockwise.residency.arena import HostArena
-from tests.models import CausalLMModule, build_model, fit, trainer
+from tests.helpers.models import CausalLMModule, build_model, fit, trainer
 
 
 def test_slabs_are_exact_and_aligned() -> None:

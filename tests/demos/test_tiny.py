@@ -22,7 +22,7 @@ from lightning_blockwise.demos.progressions import DemoDataModule
 from lightning_blockwise.demos.tiny import DemoCausalLM, build_base_model
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 
 

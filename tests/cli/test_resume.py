@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 BATCHES_PER_EPOCH = 24  # the demo's 378 training rows in batches of 16
 CHECKPOINT_EVERY = 4
@@ -53,7 +53,7 @@ def _run(root: Path, callbacks: list[dict], ckpt_path: Path | None = None) -> su
 
 
 def _record(directory: Path) -> dict:
-    return {"class_path": "tests.resume_callbacks.RecordLosses", "init_args": {"directory": str(directory)}}
+    return {"class_path": "tests.helpers.callbacks.RecordLosses", "init_args": {"directory": str(directory)}}
 
 
 def _losses(directory: Path, steps: range) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ def test_sigkilled_cli_run_resumes_exactly(tmp_path: Path) -> None:
             "filename": "{step}",
         },
     }
-    kill = {"class_path": "tests.resume_callbacks.KillAt", "init_args": {"step": KILL_AT}}
+    kill = {"class_path": "tests.helpers.callbacks.KillAt", "init_args": {"step": KILL_AT}}
     killed = _run(tmp_path / "killed", [_record(tmp_path / "killed" / "losses"), checkpoints, kill])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not list((tmp_path / "killed").rglob("adapter_model.safetensors"))  # it died before exporting

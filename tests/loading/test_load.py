@@ -25,7 +25,7 @@ from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.planning.sizing import model_sizes
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.models import (
+from tests.helpers.models import (
     CONFIGS,
     GPU_SHAPES,
     TARGETS,

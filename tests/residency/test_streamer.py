@@ -15,7 +15,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.residency.binding import unbound, views
 from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.residency.streamer import BlockStreamer, TransferStats
-from tests.models import CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
 
 class _Stats(Callback):

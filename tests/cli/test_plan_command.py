@@ -18,9 +18,9 @@ from lightning_blockwise.cli import main, plan, plan_report
 from lightning_blockwise.planning import StepShape
 from lightning_blockwise.planning.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
 from lightning_blockwise.residency.layout import layout_block
-from tests.models import CONFIGS, TARGETS, build_model
+from tests.helpers.models import CONFIGS, TARGETS, build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The benchmark's shapes (benchmarks/step_benchmark.py) and their measured blockwise:1:2 peaks (RESULTS.md).
 QWEN25 = {

@@ -21,10 +21,10 @@ from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.models import CONFIGS as MODEL_CONFIGS
-from tests.models import VOCAB, trainer
+from tests.helpers.models import CONFIGS as MODEL_CONFIGS
+from tests.helpers.models import VOCAB, trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 

@@ -25,7 +25,7 @@ from lightning_blockwise import BlockwiseStrategy, remat
 from lightning_blockwise.callbacks.parity import ParityCheck, ParityError
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.verification import check as verification_check
-from tests.models import (
+from tests.helpers.models import (
     NUM_LAYERS,
     CausalLMModule,
     assert_equal_runs,
@@ -38,7 +38,7 @@ from tests.models import (
     trainer_optimizer,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _builder(checkpoints: dict[str, Path] | None = None, model_type: str = "gemma2") -> Callable[[], Any]:

@@ -21,7 +21,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import build_cli, main
 from lightning_blockwise.demos.tiny import DemoCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 
 
