@@ -25,6 +25,7 @@ from torch import Tensor, nn
 # What a checkpoint needs from bitsandbytes' state-dict entries; importable from here as before.
 from lightning_blockwise.compat.bitsandbytes import is_saved_quantization_metadata as is_quantization_metadata
 from lightning_blockwise.compat.bitsandbytes import saved_nested_offsets
+from lightning_blockwise.replay.rng import GlobalRngState
 from lightning_blockwise.residency.binding import views
 from lightning_blockwise.residency.layout import BlockLayout
 
@@ -157,6 +158,51 @@ class FrozenBase:
             return {key: value for key, value in state.items() if key not in self.keys.frozen}
         host = self._host()
         return {key: _prefer(host.get(value), value) for key, value in state.items()}
+
+    def checkpoint_meta(self, include_base: bool) -> dict[str, Any]:
+        """What a checkpoint records under :data:`CHECKPOINT_KEY`: the format, the base, the RNG states now.
+
+        Args:
+            include_base: Whether the checkpoint carries the frozen base (``save_frozen_base``).
+        """
+        return {
+            "format_version": FORMAT_VERSION,
+            "frozen_base": include_base,
+            "base_fingerprint": self.fingerprint,
+            # NOTE [ Exact resume ] in replay/rng.py.
+            "rng": GlobalRngState.capture().state_dict(),
+        }
+
+    def take_checkpoint(self, checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Check a checkpoint against this base and write its frozen decoder tensors into the host copy.
+
+        Returns:
+            The rest of its state dict, to load into the module as usual, and whether it carried
+            the base (then call :meth:`refresh` after that load).
+
+        Raises:
+            ValueError: If the checkpoint is of another base or lacks trainable parameters
+                (:meth:`check_loadable`), or a frozen tensor's dtype or shape differs.
+        """
+        meta = checkpoint.get(CHECKPOINT_KEY) or {}
+        state = dict(checkpoint["state_dict"])
+        has_base = self.has_base(state)
+        self.check_loadable(state, meta.get("base_fingerprint"))
+        return (self.load_into_host(state) if has_base else state), has_base
+
+    def mismatch(self, missing_keys: Iterable[str], unexpected_keys: Iterable[str]) -> str | None:
+        """Why a ``load_state_dict(strict=False)`` result does not match the module, or ``None``.
+
+        Missing frozen-base keys are expected (NOTE [ Lean checkpoints ]).
+        """
+        missing = [key for key in missing_keys if key not in self.keys.frozen]
+        unexpected = list(unexpected_keys)
+        if not (missing or unexpected):
+            return None
+        return (
+            f"the checkpoint does not match the module: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}."
+            " Set `strict_loading = False` on the module to load what matches."
+        )
 
     def has_base(self, state: Mapping[str, Any]) -> bool:
         """Whether a checkpoint's state dict carries (some of) the frozen base."""

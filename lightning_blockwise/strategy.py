@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,21 +19,22 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_blockwise.architectures import (
-    DecoderStack,
-    adapter_parameters,
-    check_trainable,
-    eval_mode_4bit_modules,
-    find_decoder_stack,
-)
-from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FORMAT_VERSION, FrozenBase, save_unbuffered
+from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
+from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FrozenBase, save_unbuffered
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
-from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape, parse_bytes, plan_residency
-from lightning_blockwise.replay import remat
+from lightning_blockwise.options import (
+    budget_bytes,
+    check_count,
+    check_device,
+    refuse_compiled,
+    refuse_cpu_eval_mode_4bit,
+)
+from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape, plan_residency
 from lightning_blockwise.replay.rng import GlobalRngState
 from lightning_blockwise.residency import embedding, placement
 from lightning_blockwise.residency.placement import HostCopy, move_rest_to_device
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
+from lightning_blockwise.streamed_stack import StreamedStack
 
 
 class BlockwiseStrategy(SingleDeviceStrategy):
@@ -93,23 +94,14 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        _check_count("block_size", block_size)
-        _check_count(
+        check_count("block_size", block_size)
+        check_count(
             "prefetch_depth",
             prefetch_depth,
             " the block after the one in use has to be on its way for copies to overlap compute.",
         )
-        _check_count("budget_tokens", budget_tokens)
-        if vram_budget is not None:
-            try:
-                vram_budget = parse_bytes(vram_budget)
-            except ValueError as error:
-                raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={vram_budget!r})`: {error}") from None
-        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise MisconfigurationException(
-                f"`BlockwiseStrategy(device={str(device)!r})` asks for a GPU, but CUDA is not available. Install a"
-                " CUDA build of torch on a machine with an NVIDIA GPU, or train on the CPU (`accelerator='cpu'`)."
-            )
+        check_count("budget_tokens", budget_tokens)
+        check_device(device)
         super().__init__(
             device="cpu" if device is None else device,
             accelerator=accelerator,
@@ -118,17 +110,16 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         )
         self.block_size = block_size
         self.prefetch_depth = prefetch_depth
-        self.vram_budget = vram_budget
+        self.vram_budget = budget_bytes(vram_budget)
         self.budget_tokens = budget_tokens
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
         self.residency_plan: ResidencyPlan | None = None
         self._device_given = device is not None
         self.plan: BlockPlan | None = None
-        self.streamer: BlockStreamer | None = None
         self._observer = StreamObserver()
         self._stack: DecoderStack | None = None
-        self._layers: list[torch.nn.Module] = []
+        self._layers: StreamedStack | None = None
         self._host_copy: HostCopy | None = None
         self._on_host: list[torch.nn.Module] = []
         self._repack_flags: dict[torch.nn.Module, bool] = {}
@@ -156,7 +147,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         # Refuse a module that cannot train blockwise before anything moves or optimizers are built.
-        _refuse_compiled(self.lightning_module)
+        refuse_compiled(self.lightning_module)
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
         try:
             self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
@@ -167,10 +158,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._stack = stack
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
         assert self.streamer is not None and self.residency_plan is not None and self._host_copy is not None
-        self._layers = list(stack.layers)
-        remat.install(self._layers, self._layer_params(), self.streamer)
+        assert self._layers is not None
+        self._layers.install()
         rank_zero_info(
-            f"BlockwiseStrategy: {len(self._layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
+            f"BlockwiseStrategy: {len(self.layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
             f" of up to {self.block_size}, {len(self.streamer.streamed)} streamed through"
             f" {len(self.streamer.slots)} slots on {self.root_device}; host arena"
             f" {self._host_copy.arena.nbytes / 1e9:.3f} GB ({self._host_copy.arena.bytes_needed / 1e9:.3f} GB of"
@@ -178,6 +169,16 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             f" resident; predicted training-step peak {self.residency_plan.predicted_peak / 1e9:.2f} GB at"
             f" {self.budget_tokens} tokens per micro-batch."
         )
+
+    @property
+    def streamer(self) -> BlockStreamer | None:
+        """The streamer feeding the decoder layers now (replaced at times: :meth:`set_observer`)."""
+        return None if self._layers is None else self._layers.streamer
+
+    @property
+    def layers(self) -> list[torch.nn.Module]:
+        """The rematerialized decoder layers, in order (empty before setup and after teardown)."""
+        return [] if self._layers is None else self._layers.layers
 
     @property
     def host_copy(self) -> HostCopy | None:
@@ -204,23 +205,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._frozen_base = FrozenBase(
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
         )
-        self.streamer = self._new_streamer(self.residency_plan.resident)
-
-    def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
-        assert self.plan is not None and self._host_copy is not None
-        streamer = BlockStreamer(
-            self.plan,
-            self._host_copy.layouts,
-            self._host_copy.arena.slabs,
-            self.root_device,
-            self.prefetch_depth,
-            resident=sorted(resident),
+        self._layers = StreamedStack(
+            self._stack.layers, self.plan, self._host_copy, device, self.prefetch_depth, self.residency_plan.resident
         )
-        streamer.observer = self._observer
-        return streamer
-
-    def _layer_params(self) -> list[list[torch.nn.Parameter]]:
-        return [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self._layers]
+        self._layers.set_observer(self._observer)
 
     def _step_shape(self) -> StepShape:
         assert self._stack is not None
@@ -265,11 +253,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         Args:
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
         """
-        assert self.plan is not None and self._host_copy is not None and self.residency_plan is not None
-        layer_graph = self._step_shape().layer_graph()
-        blocks = [b for b in range(num_blocks) if b not in self.residency_plan.resident]
-        layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks))
-        return sum(self._host_copy.layouts[b].nbytes for b in blocks) + layers * layer_graph
+        assert self._layers is not None
+        return self._layers.prefix_bytes(num_blocks, self._step_shape().layer_graph())
 
     def reference_headroom(self) -> int | None:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
@@ -319,8 +304,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             strategy.set_observer(None)  # in on_train_end
         """
         self._observer = StreamObserver() if observer is None else observer
-        if self.streamer is not None:
-            self.streamer.observer = self._observer
+        if self._layers is not None:
+            self._layers.set_observer(self._observer)
 
     @contextmanager
     def resident_prefix(self, num_blocks: int) -> Iterator[None]:
@@ -346,33 +331,10 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 loss = module.training_step(batch, 0)  # as under strategy="auto"
                 loss.backward()
         """
-        assert self.plan is not None and self.streamer is not None and self.residency_plan is not None
-        if not 0 <= num_blocks <= self.plan.num_blocks:
-            raise ValueError(
-                f"BlockwiseStrategy.resident_prefix: num_blocks={num_blocks} must be between 0 and the"
-                f" {self.plan.num_blocks} blocks of the plan."
-            )
-        # NOTE [ Resident prefix ]
-        # The streamer's slot bookkeeping assumes it alone binds every streamed block: a block
-        # it evicts is rebound to its host slab, a prefetched one to a slot view. A prefix block
-        # bound to a device copy behind its back would be rebound under a live resident graph,
-        # whose bitsandbytes quant states are read at backward time (NOTE [ Graphs do not
-        # outlive residency ] in replay/remat.py). So the run's streamer is closed and a streamer that
-        # keeps the prefix blocks resident (the device copies) drives the context; on exit that
-        # one is closed as well and a fresh streamer of the run's plan, bound as after setup,
-        # takes over. Device memory meanwhile: the run's slots and resident blocks plus the prefix.
-        prefix = [layer for block in range(num_blocks) for layer in self.plan.layers_of(block)]
-        params = self._layer_params()
-        self.streamer.close()
-        self.streamer = self._new_streamer({*self.residency_plan.resident, *range(num_blocks)})
-        try:
-            remat.install(self._layers, params, self.streamer)
-            remat.uninstall([self._layers[i] for i in prefix])
+        assert self._layers is not None
+        # NOTE [ Resident prefix ] in streamed_stack.py.
+        with self._layers.resident_prefix(num_blocks):
             yield
-        finally:
-            self.streamer.close()
-            self.streamer = self._new_streamer(self.residency_plan.resident)
-            remat.install(self._layers, params, self.streamer)
 
     @property
     @override
@@ -402,13 +364,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         if self._frozen_base is not None:
-            checkpoint[CHECKPOINT_KEY] = {
-                "format_version": FORMAT_VERSION,
-                "frozen_base": self.save_frozen_base,
-                "base_fingerprint": self._frozen_base.fingerprint,
-                # NOTE [ Exact resume ] in replay/rng.py.
-                "rng": GlobalRngState.capture().state_dict(),
-            }
+            checkpoint[CHECKPOINT_KEY] = self._frozen_base.checkpoint_meta(self.save_frozen_base)
         if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -431,39 +387,28 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if base is None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        meta = checkpoint.get(CHECKPOINT_KEY) or {}
-        state = dict(checkpoint["state_dict"])
-        has_base = base.has_base(state)
         try:
-            base.check_loadable(state, meta.get("base_fingerprint"))
-            if has_base:
-                state = base.load_into_host(state)
+            state, has_base = base.take_checkpoint(checkpoint)
         except ValueError as error:
             raise MisconfigurationException(f"BlockwiseStrategy: {error}") from None
-        if has_base and self.streamer is not None:
+        if has_base and self._layers is not None:
             # Blocks kept resident on the device hold copies of the old bytes: copy them again.
-            assert self.residency_plan is not None
-            self.streamer.close()
-            self.streamer = self._new_streamer(self.residency_plan.resident)
-            remat.install(self._layers, self._layer_params(), self.streamer)
+            self._layers.restream()
         result = self.lightning_module.load_state_dict(state, strict=False)
         if has_base:
             base.refresh()
-        missing = [key for key in result.missing_keys if key not in base.keys.frozen]
-        if strict and (missing or result.unexpected_keys):
-            raise MisconfigurationException(
-                f"BlockwiseStrategy: the checkpoint does not match the module: missing keys {missing[:5]},"
-                f" unexpected keys {result.unexpected_keys[:5]}. Set `strict_loading = False` on the module to load"
-                " what matches."
-            )
+        mismatch = base.mismatch(result.missing_keys, result.unexpected_keys)
+        if strict and mismatch:
+            raise MisconfigurationException(f"BlockwiseStrategy: {mismatch}")
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._rng_to_restore = meta.get("rng")
+            self._rng_to_restore = (checkpoint.get(CHECKPOINT_KEY) or {}).get("rng")
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.root_device.type == "cpu":
-            self._refuse_cpu_eval_mode_4bit()
+            assert self._stack is not None
+            refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(self._stack))
         if self._rng_to_restore is not None:
             # NOTE [ Exact resume ] in replay/rng.py. Here, after the loops, the data and every `on_train_start`
             # hook are set up and before the first batch is drawn, as where the checkpoint was written.
@@ -472,11 +417,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        remat.uninstall(self._layers)
-        self._layers = []
-        if self.streamer is not None:
-            self.streamer.close()
-            self.streamer = None
+        if self._layers is not None:
+            self._layers.close()
+            self._layers = None
         for module in self._on_host:
             embedding.uninstall(module)
         self._on_host = []
@@ -484,19 +427,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._repack_flags = {}
         self._stack = None
         super().teardown()
-
-    def _refuse_cpu_eval_mode_4bit(self) -> None:
-        # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py. Training wants train
-        # mode anyway (dropout is off in eval mode).
-        assert self._stack is not None
-        names = eval_mode_4bit_modules(self._stack)
-        if names:
-            raise MisconfigurationException(
-                f"BlockwiseStrategy: {len(names)} bitsandbytes 4-bit layers are in eval mode at the start of"
-                f" training (e.g. `{names[0]}`). On the CPU, bitsandbytes then switches eval-mode layers to another"
-                " kernel depending on whether their input requires grad, which rematerialization changes. Call"
-                " `model.train()` after loading (`from_pretrained` returns the model in eval mode)."
-            )
 
     @classmethod
     @override
@@ -507,27 +437,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 cls,
                 description="Frozen decoder layers rematerialized and streamed block by block (lightning-blockwise)",
             )
-
-
-def _check_count(name: str, value: Any, why: str = "") -> None:
-    """Refuse a strategy option that must be an integer of at least 1 (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MisconfigurationException(f"`BlockwiseStrategy({name}={value!r})` must be an integer of at least 1.{why}")
-
-
-def _refuse_compiled(module: torch.nn.Module) -> None:
-    """Refuse ``torch.compile`` anywhere in the module, with the reason, before any model work."""
-    compiled = getattr(module, "_compiler_ctx", None) is not None or any(
-        isinstance(sub, torch._dynamo.eval_frame.OptimizedModule) or getattr(sub, "_compiled_call_impl", None)
-        for sub in module.modules()
-    )
-    if compiled:
-        raise MisconfigurationException(
-            "BlockwiseStrategy does not support `torch.compile`: the frozen decoder tensors are rebound to other"
-            " memory (host arena, device slots) between and within steps, and are views of one byte buffer with"
-            " different dtypes, which AOTAutograd cannot trace. Train the module uncompiled (drop"
-            " `torch.compile` / `module.compile()`)."
-        )
 
 
 def _is_local(path: str | Path) -> bool:

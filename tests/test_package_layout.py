@@ -25,8 +25,8 @@ LAYERS: list[set[str]] = [
     {"residency"},
     {"replay"},
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
-    {"checkpointing", "loading", "sizing"},
-    {"strategy"},
+    {"checkpointing", "loading", "sizing", "streamed_stack"},
+    {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},
     {"recipes", "demos"},

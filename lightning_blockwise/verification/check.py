@@ -114,7 +114,7 @@ def check_step(
 # from it), and a stateful loader's position (``state_dict`` / ``load_state_dict``), so the
 # loop's own iterator yields exactly the batches it would have, the checked one first;
 # the modules' training flags are put back; the strategy's streamer
-# is replaced by a fresh one of the same plan (NOTE [ Resident prefix ] in strategy.py).
+# is replaced by a fresh one of the same plan (NOTE [ Resident prefix ] in streamed_stack.py).
 # The module's own ``training_step`` runs, so its side effects are handled as far as they
 # can be: ``self.log``/``self.log_dict`` calls are dropped, and the list, dict and set
 # attributes of the LightningModule (e.g. a list of recorded losses) get their contents

@@ -59,7 +59,7 @@ def arms(monkeypatch: pytest.MonkeyPatch) -> list[list[bool]]:
     original = verification_check._step
 
     def spy(strategy: BlockwiseStrategy, *args: Any) -> dict[str, Tensor | None]:
-        seen.append([remat.installed(layer) is None for layer in strategy._layers])
+        seen.append([remat.installed(layer) is None for layer in strategy.layers])
         return original(strategy, *args)
 
     monkeypatch.setattr(verification_check, "_step", spy)
@@ -278,8 +278,8 @@ def test_resident_prefix_restores_the_strategy() -> None:
                 with strategy.resident_prefix(5):
                     pass
             with strategy.resident_prefix(3):
-                assert [remat.installed(layer) is None for layer in strategy._layers] == [True] * 3 + [False]
-            assert all(remat.installed(layer).residency is strategy.streamer for layer in strategy._layers)
+                assert [remat.installed(layer) is None for layer in strategy.layers] == [True] * 3 + [False]
+            assert all(remat.installed(layer).residency is strategy.streamer for layer in strategy.layers)
             assert strategy.host_copy.is_bound()
 
     fit(CausalLMModule(_builder()), "blockwise", callbacks=[Probe()], max_steps=1)

@@ -1,0 +1,69 @@
+"""Checks of the strategy's options and of the module it is handed, before any work: errors that say the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_blockwise.planning import parse_bytes
+
+
+def check_count(name: str, value: Any, why: str = "") -> None:
+    """Refuse a strategy option that must be an integer of at least 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MisconfigurationException(f"`BlockwiseStrategy({name}={value!r})` must be an integer of at least 1.{why}")
+
+
+def budget_bytes(vram_budget: int | str | None) -> int | None:
+    """``vram_budget`` in bytes (``None`` stays ``None``), or a clear error."""
+    if vram_budget is None:
+        return None
+    try:
+        return parse_bytes(vram_budget)
+    except ValueError as error:
+        raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={vram_budget!r})`: {error}") from None
+
+
+def check_device(device: _DEVICE | None) -> None:
+    """Refuse a GPU device on a machine without CUDA."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy(device={str(device)!r})` asks for a GPU, but CUDA is not available. Install a"
+            " CUDA build of torch on a machine with an NVIDIA GPU, or train on the CPU (`accelerator='cpu'`)."
+        )
+
+
+def refuse_compiled(module: torch.nn.Module) -> None:
+    """Refuse ``torch.compile`` anywhere in the module, with the reason, before any model work."""
+    compiled = getattr(module, "_compiler_ctx", None) is not None or any(
+        isinstance(sub, torch._dynamo.eval_frame.OptimizedModule) or getattr(sub, "_compiled_call_impl", None)
+        for sub in module.modules()
+    )
+    if compiled:
+        raise MisconfigurationException(
+            "BlockwiseStrategy does not support `torch.compile`: the frozen decoder tensors are rebound to other"
+            " memory (host arena, device slots) between and within steps, and are views of one byte buffer with"
+            " different dtypes, which AOTAutograd cannot trace. Train the module uncompiled (drop"
+            " `torch.compile` / `module.compile()`)."
+        )
+
+
+def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
+    """Refuse bitsandbytes 4-bit layers in eval mode at the start of CPU training (their names given).
+
+    NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes. Training wants train
+    mode anyway (dropout is off in eval mode).
+    """
+    if names:
+        raise MisconfigurationException(
+            f"BlockwiseStrategy: {len(names)} bitsandbytes 4-bit layers are in eval mode at the start of"
+            f" training (e.g. `{names[0]}`). On the CPU, bitsandbytes then switches eval-mode layers to another"
+            " kernel depending on whether their input requires grad, which rematerialization changes. Call"
+            " `model.train()` after loading (`from_pretrained` returns the model in eval mode)."
+        )
+
+
+__all__ = ["budget_bytes", "check_count", "check_device", "refuse_compiled", "refuse_cpu_eval_mode_4bit"]

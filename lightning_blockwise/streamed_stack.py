@@ -1,0 +1,151 @@
+"""The decoder layers of a blockwise run: rematerialized, their blocks streamed by a replaceable streamer.
+
+# NOTE [ Resident prefix ]
+# The streamer's slot bookkeeping assumes it alone binds every streamed block: a block
+# it evicts is rebound to its host slab, a prefetched one to a slot view. A prefix block
+# bound to a device copy behind its back would be rebound under a live resident graph,
+# whose bitsandbytes quant states are read at backward time (NOTE [ Graphs do not
+# outlive residency ] in replay/remat.py). So the run's streamer is closed and a streamer that
+# keeps the prefix blocks resident (the device copies) drives the context; on exit that
+# one is closed as well and a fresh streamer of the run's residency, bound as after setup,
+# takes over. Device memory meanwhile: the run's slots and resident blocks plus the prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from lightning_blockwise.architectures import adapter_parameters
+from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.replay import remat
+from lightning_blockwise.residency.placement import HostCopy
+from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
+
+
+class StreamedStack:
+    """Rematerializing decoder layers fed by a :class:`~lightning_blockwise.residency.streamer.BlockStreamer`.
+
+    Owns the streamer, which it replaces when the blocks kept resident change
+    (:meth:`restream`, :meth:`resident_prefix`); every streamer it builds reports to
+    :attr:`observer` (NOTE [ Stream observer ] in residency/streamer.py).
+
+    Args:
+        layers: The decoder layers, in order.
+        plan: Their blocks.
+        host_copy: The host arena the blocks stream from.
+        device: The compute device.
+        prefetch_depth: Blocks copied ahead of the one in use.
+        resident: Blocks kept on the device for the whole run.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        plan: BlockPlan,
+        host_copy: HostCopy,
+        device: torch.device,
+        prefetch_depth: int,
+        resident: Iterable[int] = (),
+    ) -> None:
+        self.layers = list(layers)
+        self.plan = plan
+        self.host_copy = host_copy
+        self.device = device
+        self.prefetch_depth = prefetch_depth
+        self.resident = tuple(sorted(resident))
+        self._observer = StreamObserver()
+        self.streamer: BlockStreamer | None = self._new_streamer(self.resident)
+
+    @property
+    def observer(self) -> StreamObserver:
+        """What every streamer of this stack reports its copies, waits and layer runs to."""
+        return self._observer
+
+    def set_observer(self, observer: StreamObserver | None) -> None:
+        """Hand ``observer`` (``None``: the no-op one) to the current streamer and every later one."""
+        self._observer = StreamObserver() if observer is None else observer
+        if self.streamer is not None:
+            self.streamer.observer = self._observer
+
+    def install(self) -> None:
+        """Install the rematerializing forward on every layer, reading its block through the streamer."""
+        assert self.streamer is not None
+        remat.install(self.layers, self._layer_params(), self.streamer)
+
+    def restream(self, resident: Iterable[int] | None = None) -> None:
+        """Replace the streamer by a fresh one keeping ``resident`` (default: the same blocks) on the device.
+
+        Resident blocks are copied from the host arena again, so this also picks up bytes
+        written into the arena since (a checkpoint's frozen base).
+        """
+        if resident is not None:
+            self.resident = tuple(sorted(resident))
+        self._close_streamer()
+        self.streamer = self._new_streamer(self.resident)
+        self.install()
+
+    def prefix_bytes(self, num_blocks: int, layer_graph: int) -> int:
+        """Device bytes that running the first ``num_blocks`` blocks resident adds (:meth:`resident_prefix`).
+
+        The slabs of those blocks not resident already, plus ``layer_graph`` bytes per layer: a
+        resident layer keeps its graph from the forward to the backward.
+        """
+        blocks = [b for b in range(num_blocks) if b not in self.resident]
+        layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks))
+        return sum(self.host_copy.layouts[b].nbytes for b in blocks) + layers * layer_graph
+
+    @contextmanager
+    def resident_prefix(self, num_blocks: int) -> Iterator[None]:
+        """Run the layers of the first ``num_blocks`` blocks the resident way while the context is open.
+
+        See :meth:`lightning_blockwise.BlockwiseStrategy.resident_prefix` and NOTE [ Resident prefix ].
+
+        Raises:
+            ValueError: If ``num_blocks`` is out of range.
+        """
+        if not 0 <= num_blocks <= self.plan.num_blocks:
+            raise ValueError(
+                f"BlockwiseStrategy.resident_prefix: num_blocks={num_blocks} must be between 0 and the"
+                f" {self.plan.num_blocks} blocks of the plan."
+            )
+        prefix = [layer for block in range(num_blocks) for layer in self.plan.layers_of(block)]
+        self._close_streamer()
+        self.streamer = self._new_streamer({*self.resident, *range(num_blocks)})
+        try:
+            self.install()
+            remat.uninstall([self.layers[i] for i in prefix])
+            yield
+        finally:
+            self.restream()
+
+    def close(self) -> None:
+        """Give every layer its own forward back and free the streamer's device memory."""
+        remat.uninstall(self.layers)
+        self._close_streamer()
+
+    def _close_streamer(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+
+    def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
+        streamer = BlockStreamer(
+            self.plan,
+            self.host_copy.layouts,
+            self.host_copy.arena.slabs,
+            self.device,
+            self.prefetch_depth,
+            resident=sorted(resident),
+        )
+        streamer.observer = self._observer
+        return streamer
+
+    def _layer_params(self) -> list[list[nn.Parameter]]:
+        return [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self.layers]
+
+
+__all__ = ["StreamedStack"]
