@@ -17,6 +17,14 @@ def check_count(name: str, value: Any, why: str = "") -> None:
         raise MisconfigurationException(f"`BlockwiseStrategy({name}={value!r})` must be an integer of at least 1.{why}")
 
 
+def check_optional_bool(name: str, value: Any) -> None:
+    """Refuse a strategy option that must be ``True``, ``False`` or ``None``."""
+    if value is not None and not isinstance(value, bool):
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy({name}={value!r})` must be True, False or None (None decides from the plan)."
+        )
+
+
 def budget_bytes(vram_budget: int | str | None) -> int | None:
     """``vram_budget`` in bytes (``None`` stays ``None``), or a clear error."""
     if vram_budget is None:
@@ -54,7 +62,7 @@ def refuse_compiled(module: torch.nn.Module) -> None:
 def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
     """Refuse bitsandbytes 4-bit layers in eval mode at the start of CPU training (their names given).
 
-    NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes. Training wants train
+    NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py. Training wants train
     mode anyway (dropout is off in eval mode).
     """
     if names:
@@ -66,4 +74,11 @@ def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
         )
 
 
-__all__ = ["budget_bytes", "check_count", "check_device", "refuse_compiled", "refuse_cpu_eval_mode_4bit"]
+__all__ = [
+    "budget_bytes",
+    "check_count",
+    "check_device",
+    "check_optional_bool",
+    "refuse_compiled",
+    "refuse_cpu_eval_mode_4bit",
+]

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
@@ -26,14 +27,25 @@ from lightning_blockwise.options import (
     budget_bytes,
     check_count,
     check_device,
+    check_optional_bool,
     refuse_compiled,
     refuse_cpu_eval_mode_4bit,
 )
-from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape, plan_residency
+from lightning_blockwise.planning import BlockPlan, ResidencyPlan
 from lightning_blockwise.replay.rng import GlobalRngState
 from lightning_blockwise.residency import embedding, placement
+from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy, move_rest_to_device
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
+from lightning_blockwise.step_budget import (
+    DEFAULT_TOKENS,
+    StepBudget,
+    StepPlan,
+    batch_tokens,
+    declared_tokens,
+    device_limit,
+    reference_headroom,
+)
 from lightning_blockwise.streamed_stack import StreamedStack
 
 
@@ -54,8 +66,13 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         vram_budget: Cap on the predicted peak allocated device memory of a training step, in
             bytes or as a string like ``"16GiB"``. Blocks that fit under it stay on the device
             for the whole run (less traffic, faster steps); without it every block streams.
-        budget_tokens: Tokens per micro-batch (batch size x sequence length) the budget must
-            hold; the activation part of the prediction grows with it.
+        budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default:
+            the data module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either
+            way a longer batch is planned for before its step runs (NOTE [ A budget that sees the
+            batches ] in step_budget.py).
+        offload_activations: Keep each layer's saved input in pinned host memory between forward and
+            backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None`` turns it on
+            when the step would not fit without it (the budget, else the device), ``True``/``False`` force it.
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file).
@@ -70,7 +87,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     Raises:
         MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is not an integer
-            of at least 1, ``vram_budget`` is not a positive size, or ``device`` is a GPU and CUDA is not available.
+            of at least 1, ``vram_budget`` is not a positive size, ``offload_activations`` is not a bool or ``None``,
+            or ``device`` is a GPU and CUDA is not available.
 
     Example::
 
@@ -86,7 +104,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         block_size: int = 1,
         prefetch_depth: int = 2,
         vram_budget: int | str | None = None,
-        budget_tokens: int = 2048,
+        budget_tokens: int | None = None,
+        offload_activations: bool | None = None,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
         accelerator: Accelerator | None = None,
@@ -100,7 +119,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             prefetch_depth,
             " the block after the one in use has to be on its way for copies to overlap compute.",
         )
-        check_count("budget_tokens", budget_tokens)
+        if budget_tokens is not None:
+            check_count("budget_tokens", budget_tokens)
+        check_optional_bool("offload_activations", offload_activations)
         check_device(device)
         super().__init__(
             device="cpu" if device is None else device,
@@ -112,9 +133,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self.prefetch_depth = prefetch_depth
         self.vram_budget = budget_bytes(vram_budget)
         self.budget_tokens = budget_tokens
+        self.offload_activations = offload_activations
+        self.step_plan: StepPlan | None = None
+        self._budget: StepBudget | None = None
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
-        self.residency_plan: ResidencyPlan | None = None
         self._device_given = device is not None
         self.plan: BlockPlan | None = None
         self._observer = StreamObserver()
@@ -157,8 +180,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             check_trainable(stack)
         self._stack = stack
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
-        assert self.streamer is not None and self.residency_plan is not None and self._host_copy is not None
-        assert self._layers is not None
+        assert self.streamer is not None and self._host_copy is not None and self._layers is not None
+        assert self._budget is not None and self.step_plan is not None
         self._layers.install()
         rank_zero_info(
             f"BlockwiseStrategy: {len(self.layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
@@ -166,8 +189,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             f" {len(self.streamer.slots)} slots on {self.root_device}; host arena"
             f" {self._host_copy.arena.nbytes / 1e9:.3f} GB ({self._host_copy.arena.bytes_needed / 1e9:.3f} GB of"
             f" tensors){', pinned' if self._host_copy.arena.pinned else ''}; {len(self.streamer.resident)} blocks kept"
-            f" resident; predicted training-step peak {self.residency_plan.predicted_peak / 1e9:.2f} GB at"
-            f" {self.budget_tokens} tokens per micro-batch."
+            f" resident; {self._budget.describe(self.step_plan)}."
         )
 
     @property
@@ -179,6 +201,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     def layers(self) -> list[torch.nn.Module]:
         """The rematerialized decoder layers, in order (empty before setup and after teardown)."""
         return [] if self._layers is None else self._layers.layers
+
+    @property
+    def activation_offload(self) -> ActivationOffload | None:
+        """Where layer inputs wait for the backward when offloaded (NOTE [ Layer-input offload ]), else ``None``."""
+        return None if self._layers is None else self._layers.offload
 
     @property
     def host_copy(self) -> HostCopy | None:
@@ -200,53 +227,78 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._on_host = on_host
         if device.type == "cpu":
             self._repack_flags = disable_cpu_repack(self._stack.layers)
-        self.residency_plan = self._plan_residency()
+        self._budget = self._step_budget()
+        tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
+        plan = self._plan_for(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
         self._frozen_base = FrozenBase(
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
         )
         self._layers = StreamedStack(
-            self._stack.layers, self.plan, self._host_copy, device, self.prefetch_depth, self.residency_plan.resident
+            self._stack.layers, self.plan, self._host_copy, device, self.prefetch_depth, plan.residency.resident
         )
         self._layers.set_observer(self._observer)
+        self._adopt(plan)
 
-    def _step_shape(self) -> StepShape:
-        assert self._stack is not None
-        head = self._stack.model.get_output_embeddings()
-        return StepShape.for_config(
-            self._stack.model.config,
-            tokens=self.budget_tokens,
-            num_layers=len(self._stack.layers),
-            activation_bytes=head.weight.element_size() if head is not None else 2,
-        )
+    @property
+    def residency_plan(self) -> ResidencyPlan | None:
+        """Which blocks stay resident and the predicted peak, for the longest micro-batch planned for so far."""
+        return None if self.step_plan is None else self.step_plan.residency
 
-    def _plan_residency(self) -> ResidencyPlan:
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        tokens = batch_tokens(args[0] if args else kwargs.get("batch"))
+        if tokens is not None and self.step_plan is not None and tokens > self.step_plan.tokens:
+            # NOTE [ A budget that sees the batches ] in step_budget.py.
+            self._adopt(self._plan_for(tokens))
+            assert self._budget is not None and self.step_plan is not None
+            rank_zero_info(f"BlockwiseStrategy: longer batch: {self._budget.describe(self.step_plan)}.")
+        return super().training_step(*args, **kwargs)
+
+    def _step_budget(self) -> StepBudget:
         assert self._stack is not None and self._host_copy is not None
         on_device = {}
         for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
             if tensor.device == self.root_device:
                 on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        head = self._stack.model.get_output_embeddings()
+        chunk = getattr(self.lightning_module, "loss_chunk_tokens", None)
         trainable = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
+        return StepBudget(
+            config=self._stack.model.config,
+            num_layers=len(self._stack.layers),
+            activation_bytes=head.weight.element_size() if head is not None else 2,
+            block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
+            prefetch_depth=self.prefetch_depth,
+            fixed_bytes=sum(on_device.values()),
+            trainable_bytes=trainable,
+            budget=self.vram_budget,
+            offload=self.offload_activations,
+            loss_chunk_tokens=chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else None,
+            device_limit=device_limit(self.root_device),
+        )
+
+    def _plan_for(self, tokens: int) -> StepPlan:
+        assert self._budget is not None
         try:
-            return plan_residency(
-                block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
-                prefetch_depth=self.prefetch_depth,
-                fixed_bytes=sum(on_device.values()),
-                trainable_bytes=trainable,
-                activation_bytes=self._step_shape().activation_peak(),
-                budget=self.vram_budget,
-            )
+            return self._budget.plan(tokens)
         except ValueError as error:
-            raise MisconfigurationException(
-                f"`BlockwiseStrategy(vram_budget={self.vram_budget})` at {self.budget_tokens} tokens per micro-batch:"
-                f" {error}"
-            ) from None
+            raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={self.vram_budget})`: {error}") from None
+
+    def _adopt(self, plan: StepPlan) -> None:
+        """Make ``plan`` the run's: its resident blocks and its offload (between steps only)."""
+        assert self._layers is not None and self._budget is not None
+        old = self.step_plan
+        self.step_plan = plan
+        self._layers.offload_inputs(plan.shape.input_bytes() if plan.offload else None)
+        if old is not None and old.residency.resident != plan.residency.resident:
+            self._layers.restream(plan.residency.resident)
 
     def resident_prefix_bytes(self, num_blocks: int) -> int:
         """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
 
         The blocks' slabs (those the residency plan does not keep on the device already) plus,
-        per layer, one layer's autograd graph at ``budget_tokens`` tokens: a resident layer
+        per layer, one layer's autograd graph at the planned tokens: a resident layer
         keeps its graph from the forward to the backward, a rematerialized one only its input.
         An estimate in the planner's terms (:class:`~lightning_blockwise.planning.StepShape`).
 
@@ -254,7 +306,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
         """
         assert self._layers is not None
-        return self._layers.prefix_bytes(num_blocks, self._step_shape().layer_graph())
+        assert self._budget is not None and self.step_plan is not None
+        return self._layers.prefix_bytes(num_blocks, self._budget.layer_graph(self.step_plan.tokens))
 
     def reference_headroom(self) -> int | None:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
@@ -265,22 +318,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         leaves. Compare it with :meth:`resident_prefix_bytes` to see how many blocks fit.
         """
         assert self.residency_plan is not None
-        limits = []
-        if self.vram_budget is not None:
-            limits.append(self.vram_budget - self.residency_plan.predicted_peak)
-        device = self.root_device
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            allocated = torch.cuda.memory_allocated(device)
-            cached = torch.cuda.memory_reserved(device) - allocated
-            # The blockwise step itself still has to grow from what is allocated now to its planned peak.
-            still_needed = max(0, self.residency_plan.predicted_peak - allocated)
-            limits.append(max(0, free + cached - still_needed))
-            # A per-process cap (`torch.cuda.set_per_process_memory_fraction`) binds the allocator before the
-            # card runs out: it may hold at most `fraction * total` bytes, whatever is free on the card.
-            cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
-            limits.append(max(0, cap - allocated - still_needed))
-        return min(limits) if limits else None
+        return reference_headroom(self.root_device, self.vram_budget, self.residency_plan.predicted_peak)
 
     @property
     def observer(self) -> StreamObserver:

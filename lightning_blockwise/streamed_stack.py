@@ -22,6 +22,7 @@ from torch import nn
 from lightning_blockwise.architectures import adapter_parameters
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.replay import remat
+from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
 
@@ -58,6 +59,7 @@ class StreamedStack:
         self.prefetch_depth = prefetch_depth
         self.resident = tuple(sorted(resident))
         self._observer = StreamObserver()
+        self.offload: ActivationOffload | None = None
         self.streamer: BlockStreamer | None = self._new_streamer(self.resident)
 
     @property
@@ -74,7 +76,26 @@ class StreamedStack:
     def install(self) -> None:
         """Install the rematerializing forward on every layer, reading its block through the streamer."""
         assert self.streamer is not None
-        remat.install(self.layers, self._layer_params(), self.streamer)
+        remat.install(self.layers, self._layer_params(), self.streamer, self.offload)
+
+    def offload_inputs(self, slab_bytes: int | None) -> None:
+        """Keep layer inputs in host slabs of ``slab_bytes`` between forward and backward; ``None``: on the device.
+
+        Turning it on allocates a slab per layer at once (refused before allocation when the host
+        RAM is short); raising ``slab_bytes`` later allocates larger ones
+        (NOTE [ Layer-input offload ] in residency/activations.py).
+        """
+        if slab_bytes is None:
+            if self.offload is not None:
+                self.offload.close()
+                self.offload = None
+        elif self.offload is None:
+            pin = self.device.type == "cuda"
+            self.offload = ActivationOffload(self.device, len(self.layers), slab_bytes, pin=pin)
+        else:
+            self.offload.reserve(slab_bytes)
+        if self.streamer is not None:
+            self.install()
 
     def restream(self, resident: Iterable[int] | None = None) -> None:
         """Replace the streamer by a fresh one keeping ``resident`` (default: the same blocks) on the device.
@@ -126,6 +147,7 @@ class StreamedStack:
         """Give every layer its own forward back and free the streamer's device memory."""
         remat.uninstall(self.layers)
         self._close_streamer()
+        self.offload_inputs(None)
 
     def _close_streamer(self) -> None:
         if self.streamer is not None:

@@ -19,13 +19,13 @@ ROOT = PACKAGE.parent
 
 #: Layers from the bottom up: a module may import from its own layer and the layers below, never above.
 LAYERS: list[set[str]] = [
-    {"compat", "_deprecated"},
+    {"compat", "_deprecated", "loss"},
     {"architectures"},
     {"planning"},
     {"residency"},
     {"replay"},
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
-    {"checkpointing", "loading", "sizing", "streamed_stack"},
+    {"checkpointing", "loading", "sizing", "streamed_stack", "step_budget"},
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},

@@ -7,8 +7,13 @@ from typing import Any
 
 from lightning_blockwise.planning.units import format_gib
 
-#: Bytes per token per vocabulary entry in the loss: bf16 logits, their fp32 upcast and its gradient.
-_LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
+#: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
+#: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
+#: through it, with part of a second one (12 fits the H100 peaks in benchmarks/RESULTS.md).
+_LOGIT_BYTES_PER_ENTRY = 12
+#: Layer inputs on the device at a time with offload on: the one in use, the next one coming
+#: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
+_INPUTS_IN_FLIGHT = 3
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,10 @@ class StepShape:
         vocab_size: The vocabulary size.
         num_layers: Decoder layers.
         activation_bytes: Bytes per activation element (2 under bf16 autocast).
+        offload_inputs: Layer inputs wait for the backward in host memory (not on the device).
+        loss_chunk_tokens: Rows of logits the module's loss builds at a time
+            (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
+            as Hugging Face's loss does.
     """
 
     tokens: int
@@ -30,9 +39,19 @@ class StepShape:
     vocab_size: int
     num_layers: int
     activation_bytes: int = 2
+    offload_inputs: bool = False
+    loss_chunk_tokens: int | None = None
 
     @classmethod
-    def for_config(cls, config: Any, tokens: int, num_layers: int, activation_bytes: int = 2) -> StepShape:
+    def for_config(
+        cls,
+        config: Any,
+        tokens: int,
+        num_layers: int,
+        activation_bytes: int = 2,
+        offload_inputs: bool = False,
+        loss_chunk_tokens: int | None = None,
+    ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
         Args:
@@ -40,6 +59,8 @@ class StepShape:
             tokens: Tokens per micro-batch.
             num_layers: Decoder layers.
             activation_bytes: Bytes per activation element (the LM head's element size).
+            offload_inputs: Layer inputs wait for the backward in host memory.
+            loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
         """
         config = getattr(config, "text_config", None) or config
         return cls(
@@ -49,19 +70,33 @@ class StepShape:
             vocab_size=config.vocab_size,
             num_layers=num_layers,
             activation_bytes=activation_bytes,
+            offload_inputs=offload_inputs,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
 
     def activation_peak(self) -> int:
         """Predicted activation bytes at the step's peak.
 
-        Saved layer inputs (one tensor per layer between forward and backward), the loss's
-        logits and their gradient, and one layer's recompute graph with the dequantized
-        weight of its largest projection (the working set while a layer's backward runs).
+        Saved layer inputs (one tensor per layer between forward and backward, or the few in
+        flight when they wait in host memory), the loss's logits and their gradients (for
+        ``loss_chunk_tokens`` rows at a time with a chunked loss), and one layer's recompute
+        graph with the dequantized weight of its largest projection (the working set while a
+        layer's backward runs).
         """
-        saved_inputs = self.num_layers * self.tokens * self.hidden_size * self.activation_bytes
-        logits = self.tokens * self.vocab_size * _LOGIT_BYTES_PER_ENTRY
+        saved_inputs = min(self.num_layers, _INPUTS_IN_FLIGHT) if self.offload_inputs else self.num_layers
+        saved_inputs *= self.input_bytes()
+        rows = self.tokens if self.loss_chunk_tokens is None else min(self.tokens, self.loss_chunk_tokens)
+        logits = rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
         return saved_inputs + logits + self.layer_graph() + dequantized
+
+    def input_bytes(self) -> int:
+        """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""
+        return self.tokens * self.hidden_size * self.activation_bytes
+
+    def offloaded_host_bytes(self) -> int:
+        """Host bytes the saved layer inputs take with offload on (every layer's input at once), else 0."""
+        return self.num_layers * self.input_bytes() if self.offload_inputs else 0
 
     def layer_graph(self) -> int:
         """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward)."""

@@ -17,7 +17,8 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 # Parameters are kept on ``ctx`` as plain references, not through ``save_for_backward``:
 # they are alive in the module anyway, and saving them would hand them to any
 # saved-tensor hooks (activation offloading) for nothing. Between forward and backward
-# autograd holds one tensor per layer: its input.
+# autograd holds one tensor per layer: its input, or with an ``ActivationOffload`` only a
+# handle to its copy in host memory (NOTE [ Layer-input offload ] in residency/activations.py).
 #
 # NOTE [ Graphs do not outlive residency ]
 # bitsandbytes' ``MatMul4Bit`` keeps the packed weight and its quant state on ``ctx`` as
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass, Residency
 
 
@@ -52,13 +54,22 @@ class RematLayer:
         index: Its position in the decoder stack.
         params: Its trainable parameters (the adapters).
         residency: Makes the layer's frozen tensors usable while it runs.
+        offload: Where the layer's input waits for the backward; ``None`` keeps it on the device.
     """
 
-    def __init__(self, layer: nn.Module, index: int, params: Sequence[nn.Parameter], residency: Residency) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        index: int,
+        params: Sequence[nn.Parameter],
+        residency: Residency,
+        offload: ActivationOffload | None = None,
+    ) -> None:
         self.layer = layer
         self.index = index
         self.params = tuple(params)
         self.residency = residency
+        self.offload = offload
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
         # The class's own forward: Hugging Face's checkpointing wrapper included, but that is
@@ -103,13 +114,22 @@ class _RematFunction(torch.autograd.Function):
         output = remat.run(hidden, call)
         remat.residency.release(remat.index, Pass.FORWARD)
         ctx.remat, ctx.call, ctx.rng, ctx.params = remat, call, rng, params
-        ctx.save_for_backward(hidden)
+        # The offload the forward used, even if the strategy switches it before the backward.
+        ctx.offload = remat.offload
+        if ctx.offload is None:
+            ctx.save_for_backward(hidden)
+        else:
+            ctx.saved_input = ctx.offload.save(hidden)
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        (hidden,) = ctx.saved_tensors
         remat: RematLayer = ctx.remat
+        if ctx.offload is None:
+            (hidden,) = ctx.saved_tensors
+        else:
+            hidden = ctx.offload.load(ctx.saved_input)
+            del ctx.saved_input
         wants_input_grad = ctx.needs_input_grad[3]
         params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:], strict=True) if needed]
 
@@ -130,7 +150,12 @@ class _RematFunction(torch.autograd.Function):
         return (None, None, None, grad_input, *grad_params)
 
 
-def install(layers: Sequence[nn.Module], params: Sequence[Sequence[nn.Parameter]], residency: Residency) -> None:
+def install(
+    layers: Sequence[nn.Module],
+    params: Sequence[Sequence[nn.Parameter]],
+    residency: Residency,
+    offload: ActivationOffload | None = None,
+) -> None:
     """Install a :class:`RematLayer` as the ``forward`` of each layer, in place.
 
     Parameter names, ``state_dict`` keys and the layer classes are unchanged; only the
@@ -140,7 +165,7 @@ def install(layers: Sequence[nn.Module], params: Sequence[Sequence[nn.Parameter]
     """
     for index, (layer, layer_params) in enumerate(zip(layers, params, strict=True)):
         uninstall([layer])
-        layer.forward = RematLayer(layer, index, layer_params, residency)
+        layer.forward = RematLayer(layer, index, layer_params, residency, offload)
         layer.gradient_checkpointing = False
 
 

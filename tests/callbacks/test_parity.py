@@ -7,6 +7,7 @@ import csv
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -295,7 +296,7 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"])
     strategy = BlockwiseStrategy()
     monkeypatch.setattr(BlockwiseStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
-    strategy.residency_plan = type("Plan", (), {"predicted_peak": 8 * gb})()
+    strategy.step_plan = SimpleNamespace(residency=SimpleNamespace(predicted_peak=8 * gb))
     # Uncapped: free + cached - what the step still needs (8 - 5 allocated).
     assert strategy.reference_headroom() == 80 * gb + 1 * gb - 3 * gb
     fraction["value"] = 0.25  # 21.5 GB for the process: 21.5 - 5 allocated - 3 still needed

@@ -23,10 +23,24 @@ def test_block_plan_rejects_sizes(block_size: int) -> None:
 def test_activation_peak_by_hand() -> None:
     shape = StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=3)
     saved = 3 * 512 * 8 * 2
-    logits = 512 * 100 * 10
+    logits = 512 * 100 * 12
     graph = 512 * (6 * 8 + 4 * 16) * 2
     dequantized = 2 * 8 * 16 * 2
     assert shape.activation_peak() == saved + logits + graph + dequantized
+    assert shape.offloaded_host_bytes() == 0
+
+
+def test_activation_peak_with_offload_and_a_chunked_loss_by_hand() -> None:
+    shape = StepShape(
+        tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=5, offload_inputs=True,
+        loss_chunk_tokens=64,
+    )  # fmt: skip
+    in_flight = 3 * 512 * 8 * 2  # the input in use, the next coming back, one going out
+    logits = 64 * 100 * 12
+    graph = 512 * (6 * 8 + 4 * 16) * 2
+    dequantized = 2 * 8 * 16 * 2
+    assert shape.activation_peak() == in_flight + logits + graph + dequantized
+    assert shape.offloaded_host_bytes() == 5 * 512 * 8 * 2
 
 
 def test_no_budget_streams_everything() -> None:

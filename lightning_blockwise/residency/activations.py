@@ -1,0 +1,235 @@
+"""Layer-input offload: what each rematerialized layer saves for its backward, kept in pinned host memory.
+
+# NOTE [ Layer-input offload ]
+# Between its forward and its backward a rematerialized layer keeps one tensor: its input
+# (NOTE [ Exact rematerialization ] in replay/remat.py). At long context these inputs are
+# the bulk of a step's device memory (layers x tokens x hidden x 2 B: 21.5 GB at 72B and
+# 16k tokens). With offload on, the forward copies each input into a host slab on a
+# device-to-host stream right behind the kernels that produced it, and the device tensor
+# is freed as soon as that copy has read it (``record_stream``). The backward runs the
+# layers in reverse: taking layer i's input back starts the host-to-device copy of the
+# input saved just before it (layer i-1's), which then overlaps layer i's recompute and
+# backward. The copies move bytes unchanged, so the recompute sees the very input the
+# forward saw and the run stays bit-identical.
+#
+# Ordering: a save's device-to-host copy waits for the compute stream (the input is
+# written), its host-to-device copy waits for that copy's event, and the compute stream
+# waits for the host-to-device event before the input is read. A slab goes back to the
+# pool once its input has been taken back, behind the compute stream's wait; the next
+# save into it waits for the compute stream again, so it cannot overwrite bytes still in
+# flight. The device buffer of a fetched input is allocated on the compute stream and
+# read only after the compute stream waited for its copy, so it needs no record_stream.
+#
+# Inputs that are not contiguous stay on the device (a contiguous copy could change the
+# kernels the recompute picks); ``stats.kept_on_device`` counts them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_blockwise.residency.arena import HostArena
+
+
+@dataclass
+class OffloadStats:
+    """Offload traffic since the last :meth:`ActivationOffload.reset_stats`."""
+
+    saved: int = 0
+    device_to_host_bytes: int = 0
+    host_to_device_bytes: int = 0
+    kept_on_device: int = 0
+
+
+class SavedInput:
+    """One layer input saved for the backward: in a host slab, or (not contiguous) still on the device."""
+
+    __slots__ = ("__weakref__", "_device", "_fetched", "_fetched_event", "_host", "_pool", "_slab", "_stored")
+
+    def __init__(self, pool: ActivationOffload, slab: Tensor | None, host: Tensor | None, device: Tensor | None):
+        self._pool = pool
+        self._slab = slab
+        self._host = host
+        self._device = device
+        self._stored: torch.cuda.Event | None = None
+        self._fetched: Tensor | None = None
+        self._fetched_event: torch.cuda.Event | None = None
+
+    @property
+    def host(self) -> Tensor | None:
+        """The input's bytes in host memory (``None`` when it stayed on the device or was taken back)."""
+        return self._host
+
+    def __del__(self) -> None:
+        # A graph dropped without its backward (an exception, a loss never differentiated) gives its slab back.
+        if self._slab is not None:
+            self._pool._give(self._slab)
+            self._slab = None
+
+
+class ActivationOffload:
+    """Saves layer inputs into exact-size pinned host slabs and brings them back ahead of the backward.
+
+    See NOTE [ Layer-input offload ]. Slabs come from :class:`~lightning_blockwise.residency.arena.HostArena`
+    allocations of ``num_layers`` slabs each, so host memory is exact-size, page-locked on CUDA,
+    and refused before allocation when the host RAM is short.
+
+    Args:
+        device: The compute device.
+        num_layers: Layers whose inputs a step saves (slabs allocated at a time).
+        slab_bytes: Bytes of one slab: the largest input to expect (tokens x hidden x element size).
+        pin: Page-lock the slabs (a CUDA device).
+    """
+
+    def __init__(self, device: torch.device, num_layers: int, slab_bytes: int, pin: bool) -> None:
+        self.device = device
+        self.num_layers = num_layers
+        self.pin = pin
+        self._arenas: list[HostArena] = []
+        self._free: list[Tensor] = []
+        self._taken = 0
+        self._live: list[weakref.ref[SavedInput]] = []
+        self._cuda = device.type == "cuda"
+        self._to_host = torch.cuda.Stream(device) if self._cuda else None
+        self._to_device = torch.cuda.Stream(device) if self._cuda else None
+        self.slab_bytes = 0
+        self.stats = OffloadStats()
+        self.reserve(slab_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the slabs take (page-locked on CUDA)."""
+        return sum(arena.nbytes for arena in self._arenas)
+
+    def reserve(self, slab_bytes: int) -> None:
+        """Make slabs of at least ``slab_bytes`` the ones handed out (allocating ``num_layers`` new ones if needed).
+
+        Raises:
+            MisconfigurationException: If the host RAM cannot hold them (from ``HostArena``).
+        """
+        if slab_bytes <= self.slab_bytes:
+            return
+        arena = HostArena([slab_bytes] * self.num_layers, pin=self.pin)
+        if self._taken == 0:
+            # Between steps (where the strategy re-plans): nothing reads the smaller slabs any more.
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            self._arenas.clear()
+        # Otherwise the smaller slabs stay allocated until `close` (copies may still read them), never reused.
+        self._free = list(arena.slabs)
+        self._arenas.append(arena)
+        self.slab_bytes = slab_bytes
+
+    def held(self) -> list[Tensor]:
+        """The host copies of the inputs saved and not yet brought back, oldest first."""
+        saved = [ref() for ref in self._live]
+        return [s.host for s in saved if s is not None and s.host is not None and s._fetched is None]
+
+    def reset_stats(self) -> OffloadStats:
+        """Return the traffic counters and start new ones."""
+        stats, self.stats = self.stats, OffloadStats()
+        return stats
+
+    def save(self, hidden: Tensor) -> SavedInput:
+        """Start copying ``hidden`` to host memory; the caller drops its own reference to it."""
+        if not hidden.is_contiguous():
+            self.stats.kept_on_device += 1
+            return SavedInput(self, None, None, hidden)
+        nbytes = hidden.numel() * hidden.element_size()
+        if nbytes > self.slab_bytes:
+            self.reserve(nbytes)
+        slab = self._free.pop() if self._free else self._grow()
+        self._taken += 1
+        host = slab[:nbytes].view(hidden.dtype).view(hidden.shape)
+        saved = SavedInput(self, slab, host, None)
+        if self._cuda:
+            assert self._to_host is not None
+            self._to_host.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._to_host):
+                host.copy_(hidden, non_blocking=True)
+                saved._stored = torch.cuda.Event()
+                saved._stored.record(self._to_host)
+            # The caching allocator must not hand `hidden`'s memory out before the copy has read it.
+            hidden.record_stream(self._to_host)
+        else:
+            host.copy_(hidden)
+        if len(self._live) >= self.num_layers:
+            # Handles of graphs dropped without their backward.
+            self._live = [ref for ref in self._live if (held := ref()) is not None and held._slab is not None]
+        self._live.append(weakref.ref(saved))
+        self.stats.saved += 1
+        self.stats.device_to_host_bytes += nbytes
+        return saved
+
+    def load(self, saved: SavedInput) -> Tensor:
+        """The saved input on the device; starts bringing back the input saved before it."""
+        if saved._device is not None:
+            hidden, saved._device = saved._device, None
+            return hidden
+        if saved._fetched is None:
+            self._fetch(saved)
+        hidden, event = saved._fetched, saved._fetched_event
+        assert hidden is not None
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        saved._fetched, saved._fetched_event, saved._host = None, None, None
+        if saved._slab is not None:
+            self._give(saved._slab)
+            saved._slab = None
+        # NOTE [ Layer-input offload ]: the backward runs the layers in reverse, so the input saved last
+        # among those still held is the next one needed.
+        while self._live:
+            following = self._live[-1]()
+            if following is None or following._slab is None:
+                self._live.pop()
+                continue
+            if following._fetched is None:
+                self._fetch(following)
+            break
+        return hidden
+
+    def close(self) -> None:
+        """Wait for pending copies and free the host slabs."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._live.clear()
+        self._free.clear()
+        self._arenas.clear()
+        self._taken = 0
+        self.slab_bytes = 0
+
+    def _fetch(self, saved: SavedInput) -> None:
+        self._live = [ref for ref in self._live if ref() is not saved]
+        host = saved._host
+        assert host is not None
+        device = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        if self._cuda:
+            assert self._to_device is not None and saved._stored is not None
+            self._to_device.wait_event(saved._stored)
+            with torch.cuda.stream(self._to_device):
+                device.copy_(host, non_blocking=True)
+                saved._fetched_event = torch.cuda.Event()
+                saved._fetched_event.record(self._to_device)
+        else:
+            device.copy_(host)
+        saved._fetched = device
+        self.stats.host_to_device_bytes += host.numel() * host.element_size()
+
+    def _grow(self) -> Tensor:
+        """One more set of slabs, when more inputs are held at once than a step of ``num_layers`` saves."""
+        arena = HostArena([self.slab_bytes] * self.num_layers, pin=self.pin)
+        self._arenas.append(arena)
+        self._free.extend(arena.slabs[1:])
+        return arena.slabs[0]
+
+    def _give(self, slab: Tensor) -> None:
+        self._taken = max(0, self._taken - 1)
+        if self._arenas and slab.numel() >= self.slab_bytes:
+            self._free.append(slab)
+
+
+__all__ = ["ActivationOffload", "OffloadStats", "SavedInput"]

@@ -1,0 +1,202 @@
+"""Planning a blockwise run for the micro-batches it trains on: which blocks stay resident, whether inputs offload.
+
+# NOTE [ A budget that sees the batches ]
+# Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
+# than a batch holds can overflow the card. The first plan is made for a declared maximum
+# (the strategy's ``budget_tokens``, else the data module's ``max_length`` x ``batch_size``,
+# else ``DEFAULT_TOKENS``); before a training step whose batch holds more tokens than the
+# plan, the strategy plans again for that batch (fewer resident blocks, the layer inputs
+# offloaded) or stops with a clear error, before the step allocates anything. Plans only
+# grow: a shorter batch keeps the plan made for the longest one so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
+
+#: Tokens per micro-batch planned for when neither the strategy nor the data module says.
+DEFAULT_TOKENS = 2048
+#: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``:
+#: the CUDA context and cuBLAS workspaces, which ``max_memory_allocated`` does not count.
+_CONTEXT_RESERVE = 2**30
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The plan of a training step for micro-batches of up to ``tokens`` tokens.
+
+    Attributes:
+        tokens: Tokens per micro-batch planned for.
+        residency: Which blocks stay resident, and the predicted peak.
+        offload: Whether layer inputs wait for the backward in host memory.
+        shape: The step shape the prediction was made from.
+    """
+
+    tokens: int
+    residency: ResidencyPlan
+    offload: bool
+    shape: StepShape
+
+    @property
+    def offload_host_bytes(self) -> int:
+        """Host bytes the offloaded layer inputs take (0 with offload off)."""
+        return self.shape.offloaded_host_bytes()
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What a step's device memory depends on, fixed at setup; :meth:`plan` answers for any token count.
+
+    Args:
+        config: The Hugging Face model's config.
+        num_layers: Decoder layers.
+        activation_bytes: Bytes per activation element.
+        block_bytes: Each block's slab size.
+        prefetch_depth: Blocks copied ahead of the one in use.
+        fixed_bytes: Device bytes that do not depend on the plan (head, norms, adapters, ...).
+        trainable_bytes: Bytes of the trainable parameters.
+        budget: The ``vram_budget`` in bytes, or ``None``.
+        offload: Force layer-input offload on or off; ``None`` turns it on when the plan needs it.
+        loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: all).
+        device_limit: Without a budget, the device bytes beyond which automatic offload turns on
+            (``None``: never, e.g. on the CPU).
+    """
+
+    config: Any
+    num_layers: int
+    activation_bytes: int
+    block_bytes: Sequence[int]
+    prefetch_depth: int
+    fixed_bytes: int
+    trainable_bytes: int
+    budget: int | None
+    offload: bool | None
+    loss_chunk_tokens: int | None
+    device_limit: int | None
+
+    def shape(self, tokens: int, offload: bool) -> StepShape:
+        """The step shape at ``tokens`` tokens per micro-batch."""
+        return StepShape.for_config(
+            self.config, tokens, self.num_layers, self.activation_bytes, offload, self.loss_chunk_tokens
+        )
+
+    def plan(self, tokens: int) -> StepPlan:
+        """The plan for micro-batches of up to ``tokens`` tokens (NOTE [ A budget that sees the batches ]).
+
+        Automatic offload stays off while the step fits (the budget, else ``device_limit``) without it.
+
+        Raises:
+            ValueError: If even every block streamed (and the inputs offloaded, unless forced off)
+                does not fit the budget; says by how much and what to change.
+        """
+        choices = [self.offload] if self.offload is not None else [False, True]
+        error: ValueError | None = None
+        for offload in choices:
+            shape = self.shape(tokens, offload)
+            try:
+                residency = plan_residency(
+                    block_bytes=list(self.block_bytes),
+                    prefetch_depth=self.prefetch_depth,
+                    fixed_bytes=self.fixed_bytes,
+                    trainable_bytes=self.trainable_bytes,
+                    activation_bytes=shape.activation_peak(),
+                    budget=self.budget,
+                )
+            except ValueError as failure:
+                error = failure
+                continue
+            limit = self.budget if self.budget is not None else self.device_limit
+            if self.offload is None and not offload and limit is not None and residency.minimum > limit:
+                continue
+            return StepPlan(tokens, residency, offload, shape)
+        assert error is not None
+        hint = "" if self.offload is False else " with the layer inputs offloaded to host memory"
+        raise ValueError(f"at {tokens} tokens per micro-batch{hint}, {error}")
+
+    def layer_graph(self, tokens: int) -> int:
+        """Bytes of one layer's autograd graph at ``tokens`` tokens (what a resident layer keeps)."""
+        return self.shape(tokens, offload=False).layer_graph()
+
+    def describe(self, plan: StepPlan) -> str:
+        """One line for the log: tokens, peak, offload."""
+        offload = (
+            f", layer inputs offloaded to host memory ({format_gib(plan.offload_host_bytes)} pinned)"
+            if plan.offload
+            else ""
+        )
+        return (
+            f"predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB at {plan.tokens} tokens per"
+            f" micro-batch{offload}"
+        )
+
+
+def device_limit(device: torch.device) -> int | None:
+    """The bytes a CUDA device lets this process allocate (its per-process cap, less the context), else ``None``."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(torch.cuda.get_per_process_memory_fraction(device) * total) - _CONTEXT_RESERVE
+
+
+def declared_tokens(datamodule: Any) -> int | None:
+    """``max_length`` x ``batch_size`` of a data module that declares both (attributes or hparams), else ``None``."""
+    if datamodule is None:
+        return None
+    hparams = getattr(datamodule, "hparams", {}) or {}
+    values = []
+    for name in ("max_length", "batch_size"):
+        value = getattr(datamodule, name, None)
+        value = hparams.get(name) if value is None and isinstance(hparams, Mapping) else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None
+        values.append(value)
+    return values[0] * values[1]
+
+
+def batch_tokens(batch: Any) -> int | None:
+    """Tokens in a micro-batch: its ``input_ids`` (a mapping), else its first integer tensor; ``None`` if none."""
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+        if isinstance(ids, Tensor):
+            return ids.numel()
+        batch = list(batch.values())
+    if isinstance(batch, Tensor):
+        return batch.numel() if not batch.is_floating_point() else None
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            if isinstance(item, Tensor) and not item.is_floating_point() and item.dim() >= 1:
+                return item.numel()
+    return None
+
+
+def reference_headroom(device: torch.device, budget: int | None, predicted_peak: int) -> int | None:
+    """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
+
+    The least of: what the budget leaves above the planned peak; on CUDA, the free and cached
+    device memory less what the training step still needs to grow to its planned peak; and,
+    under a per-process cap (``torch.cuda.set_per_process_memory_fraction``), what that cap leaves.
+    """
+    limits = []
+    if budget is not None:
+        limits.append(budget - predicted_peak)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        cached = torch.cuda.memory_reserved(device) - allocated
+        # The blockwise step itself still has to grow from what is allocated now to its planned peak.
+        still_needed = max(0, predicted_peak - allocated)
+        limits.append(max(0, free + cached - still_needed))
+        # A per-process cap binds the allocator before the card runs out: at most `fraction * total` bytes.
+        cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+        limits.append(max(0, cap - allocated - still_needed))
+    return min(limits) if limits else None
+
+
+__all__ = ["DEFAULT_TOKENS", "StepBudget", "StepPlan", "batch_tokens", "declared_tokens", "device_limit"]

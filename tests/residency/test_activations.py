@@ -1,0 +1,134 @@
+"""Layer-input offload: exact, the inputs really wait in host memory, and the backward really reads them there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.residency.activations import ActivationOffload
+from tests.helpers.models import (
+    NUM_LAYERS,
+    SEQ,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    fit,
+    runs_differ,
+)
+
+HIDDEN = 32  # tests.helpers.models: the tiny configs' hidden size
+BATCH = 2
+
+
+class _Inspecting(CausalLMModule):
+    """Looks at the offload between each forward and its backward; may tamper with one saved input."""
+
+    def __init__(self, *args: Any, flip_at: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flip_at = flip_at
+        self.held: list[list[Tensor]] = []
+        self.device_to_host: list[int] = []
+        self.host_to_device: list[int] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        offload = self.trainer.strategy.activation_offload
+        if offload is not None:
+            self.host_to_device.append(offload.reset_stats().host_to_device_bytes)
+        loss = super().training_step(batch, batch_idx)
+        if offload is not None:
+            held = offload.held()
+            self.held.append([(t.data_ptr(), t.device, t.dtype, tuple(t.shape)) for t in held])
+            self.device_to_host.append(offload.stats.device_to_host_bytes)
+            if batch_idx == self.flip_at:
+                held[1].view(torch.uint8).view(-1)[5] ^= 0x10  # one bit of layer 1's saved input
+        return loss
+
+
+def _nf4(checkpoints: dict[str, Path], model_type: str = "llama") -> Any:
+    return lambda: build_model(model_type, checkpoint=checkpoints[model_type], quantized=True)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_offloaded_run_equals_resident(model_type: str, checkpoints: dict[str, Path]) -> None:
+    resident = fit(CausalLMModule(_nf4(checkpoints, model_type)), "auto")
+    offloaded = fit(CausalLMModule(_nf4(checkpoints, model_type)), BlockwiseStrategy(offload_activations=True))
+    assert_equal_runs(resident, offloaded)
+
+
+def test_offload_under_bf16_autocast_equals_resident() -> None:
+    resident = fit(CausalLMModule(lambda: build_model("qwen2")), "auto", precision="bf16-mixed")
+    strategy = BlockwiseStrategy(offload_activations=True, block_size=2)
+    offloaded = fit(CausalLMModule(lambda: build_model("qwen2")), strategy, precision="bf16-mixed")
+    assert_equal_runs(resident, offloaded)
+
+
+def test_inputs_wait_in_host_memory_and_every_byte_is_counted(checkpoints: dict[str, Path]) -> None:
+    module = _Inspecting(_nf4(checkpoints))
+    fit(module, BlockwiseStrategy(offload_activations=True))
+    offload_bytes = NUM_LAYERS * BATCH * SEQ * HIDDEN * 4  # fp32 on the CPU
+    assert len(module.held) == 8  # 4 optimizer steps x 2 micro-batches
+    for held, copied in zip(module.held, module.device_to_host, strict=True):
+        # Between forward and backward: one host copy per layer, each its own slab, in host memory.
+        assert len(held) == NUM_LAYERS and len({ptr for ptr, *_ in held}) == NUM_LAYERS
+        assert all(device.type == "cpu" and shape == (BATCH, SEQ, HIDDEN) for _, device, _, shape in held)
+        assert copied == offload_bytes
+    # Each backward brought every input back (read before the next step's forward resets the counter).
+    assert module.host_to_device[1:] == [offload_bytes] * 7
+
+
+def test_control_flipping_one_offloaded_byte_changes_the_run(checkpoints: dict[str, Path]) -> None:
+    resident = fit(CausalLMModule(_nf4(checkpoints)), "auto")
+    tampered = fit(_Inspecting(_nf4(checkpoints), flip_at=0), BlockwiseStrategy(offload_activations=True))
+    assert runs_differ(resident, tampered)
+    untouched = fit(_Inspecting(_nf4(checkpoints)), BlockwiseStrategy(offload_activations=True))
+    assert_equal_runs(resident, untouched)
+
+
+def test_offload_off_keeps_inputs_on_the_device(checkpoints: dict[str, Path]) -> None:
+    """Forced off (and "auto" on the CPU without a budget): no offload object, nothing copied."""
+    for option in (False, None):
+        module = _Inspecting(_nf4(checkpoints))
+        fit(module, BlockwiseStrategy(offload_activations=option))
+        assert module.held == [] and module.trainer.strategy.step_plan.offload is False
+
+
+def test_saves_never_taken_back_return_their_slabs() -> None:
+    """A graph dropped without its backward gives its slab back: the pool does not grow step after step."""
+    offload = ActivationOffload(torch.device("cpu"), num_layers=2, slab_bytes=64, pin=False)
+    allocated = offload.host_bytes
+    for _ in range(5):
+        saved = [offload.save(torch.randn(4, 4)) for _ in range(2)]
+        assert len(offload.held()) == 2
+        del saved
+    assert offload.host_bytes == allocated and offload.held() == [] and len(offload._live) <= 2
+
+
+def test_more_saves_than_layers_grow_the_pool_and_come_back_in_order() -> None:
+    offload = ActivationOffload(torch.device("cpu"), num_layers=2, slab_bytes=64, pin=False)
+    inputs = [torch.randn(4, 4) for _ in range(3)]
+    allocated = offload.host_bytes
+    saved = [offload.save(x) for x in inputs]
+    assert offload.host_bytes == 2 * allocated  # a second set of slabs for the third save
+    for x, handle in reversed(list(zip(inputs, saved, strict=True))):
+        assert torch.equal(offload.load(handle), x)
+
+
+def test_a_larger_input_gets_larger_slabs() -> None:
+    offload = ActivationOffload(torch.device("cpu"), num_layers=2, slab_bytes=64, pin=False)
+    big = torch.randn(8, 8)
+    handle = offload.save(big)
+    assert offload.slab_bytes == big.numel() * 4
+    assert torch.equal(offload.load(handle), big)
+
+
+def test_a_non_contiguous_input_stays_on_the_device() -> None:
+    offload = ActivationOffload(torch.device("cpu"), num_layers=2, slab_bytes=64, pin=False)
+    x = torch.randn(4, 4).t()
+    handle = offload.save(x)
+    assert offload.stats.kept_on_device == 1 and offload.stats.device_to_host_bytes == 0
+    assert offload.load(handle) is x
