@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import math
 import tempfile
 from collections.abc import Iterator
@@ -109,7 +110,7 @@ def build_base_model(
         )
     # The checkpoint is gone once loaded; an adapter saved later must not name it as its base.
     model.name_or_path = model.config.name_or_path = ""
-    # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py: validation's eval-mode, no-grad
+    # NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py: validation's eval-mode, no-grad
     # forwards must not repack the weights.
     disable_cpu_repack(model)
     return model
@@ -191,18 +192,9 @@ class DemoCausalLM(pl.LightningModule):
             return
         hp = self.hparams
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-        base = build_base_model(
-            hidden_size=hp.hidden_size,
-            num_hidden_layers=hp.num_hidden_layers,
-            vocab_size=hp.vocab_size,
-            num_attention_heads=hp.num_attention_heads,
-            num_key_value_heads=hp.num_key_value_heads,
-            intermediate_size=hp.intermediate_size,
-            initializer_range=hp.initializer_range,
-            quantize=hp.quantize,
-            seed=hp.seed,
-            device=device,
-        )
+        # The base's arguments are those of `build_base_model`, under the same names; the device is the Trainer's.
+        base_args = {name: hp[name] for name in inspect.signature(build_base_model).parameters if name != "device"}
+        base = build_base_model(**base_args, device=device)
         if hp.adapter_path is not None:
             # The saved adapter's own config decides its rank and targets.
             self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True, local_files_only=True)
@@ -219,8 +211,8 @@ class DemoCausalLM(pl.LightningModule):
                 self.model = get_peft_model(base, lora)
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds, but training wants train
         # mode: for the adapters' dropout, and because bitsandbytes picks its CPU kernel by mode (see
-        # NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py). Lightning still switches to eval
-        # for validation and back.
+        # NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py). Lightning
+        # still switches to eval for validation and back.
         self.model.train()
 
     def setup(self, stage: str) -> None:

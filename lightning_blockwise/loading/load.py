@@ -55,7 +55,7 @@ def load_blockwise(
     blocks of ``block_size`` layers and every other module is on the CPU.
     ``BlockwiseStrategy(block_size=block_size)`` reuses that arena instead of packing again
     and moves the rest to its device. The model is returned in train mode (NOTE [ bitsandbytes
-    CPU inference kernel ] in compat/bitsandbytes.py); attach PEFT adapters to it as usual.
+    CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py); attach PEFT adapters to it as usual.
 
     Args:
         path: A local Hugging Face checkpoint directory: ``config.json`` and ``model.safetensors``,

@@ -22,9 +22,9 @@ def block_ranges(num_layers: int, block_size: int) -> tuple[range, ...]:
 def predict_block_bytes(layers: Sequence[nn.Module], alignment: int = ALIGNMENT) -> int:
     """The exact slab bytes of one block of a meta model: its ``layout_block(...).nbytes`` once loaded.
 
-    The block's :func:`~lightning_blockwise.residency.layout.frozen_tensors` at their aligned offsets, every
+    The block's :func:`~lightning_blockwise.residency.walk.frozen_tensors` at their aligned offsets, every
     4-bit weight not quantized yet counted as the tensors bitsandbytes will store for it
-    (NOTE [ NF4 bytes ] in compat/bitsandbytes.py). Needs shapes and dtypes only, so it works
+    (NOTE [ NF4 bytes ] in compat/bitsandbytes/formats.py). Needs shapes and dtypes only, so it works
     on the meta device, before anything is read.
 
     Args:

@@ -11,6 +11,12 @@ from lightning_blockwise.planning.units import format_gib
 #: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
 #: through it, with part of a second one (12 fits the H100 peaks in benchmarks/RESULTS.md).
 _LOGIT_BYTES_PER_ENTRY = 12
+#: Hidden-state-sized tensors alive besides the saved inputs: the decoder's output, its gradient,
+#: and a layer's incoming and outgoing gradients.
+_HIDDEN_STATES_ALIVE = 4
+#: The caching allocator rounds every block up (512 B, 2 MiB for large ones); the peak it reports
+#: counts the rounded sizes. Measured peaks were up to 1% above the unrounded sum.
+_ALLOCATOR_ROUNDING = 1.02
 #: Layer inputs on the device at a time with offload on: the one in use, the next one coming
 #: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
 _INPUTS_IN_FLIGHT = 3
@@ -78,17 +84,21 @@ class StepShape:
         """Predicted activation bytes at the step's peak.
 
         Saved layer inputs (one tensor per layer between forward and backward, or the few in
-        flight when they wait in host memory), the loss's logits and their gradients (for
-        ``loss_chunk_tokens`` rows at a time with a chunked loss), and one layer's recompute
-        graph with the dequantized weight of its largest projection (the working set while a
-        layer's backward runs).
+        flight when they wait in host memory), plus the larger of two working sets that are
+        never alive together: the loss's logits and their gradients (``loss_chunk_tokens`` rows
+        at a time with a chunked loss), which are freed before the decoder's backward starts,
+        and one layer's recompute graph with the dequantized weight of its largest projection
+        (while a layer's backward runs).
         """
         saved_inputs = min(self.num_layers, _INPUTS_IN_FLIGHT) if self.offload_inputs else self.num_layers
         saved_inputs *= self.input_bytes()
         rows = self.tokens if self.loss_chunk_tokens is None else min(self.tokens, self.loss_chunk_tokens)
         logits = rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
-        return saved_inputs + logits + self.layer_graph() + dequantized
+        # The decoder's last hidden states and the gradients flowing through the stack, alive throughout.
+        through = _HIDDEN_STATES_ALIVE * self.input_bytes()
+        peak = saved_inputs + through + max(logits, self.layer_graph() + dequantized)
+        return int(peak * _ALLOCATOR_ROUNDING)
 
     def input_bytes(self) -> int:
         """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""

@@ -36,9 +36,14 @@ def parse_bytes(value: int | str) -> int:
     return nbytes
 
 
-def format_gb(nbytes: int | float) -> str:
-    """``nbytes`` in decimal gigabytes, as the package's reports print them: ``"3.11 GB"``."""
-    return f"{nbytes / 1e9:.2f} GB"
+def format_gb(nbytes: int | float, *, digits: int = 2) -> str:
+    """``nbytes`` in decimal gigabytes, as the package's reports print them: ``"3.11 GB"``.
+
+    Args:
+        nbytes: The size in bytes.
+        digits: Decimal places; the parity report prints three (``"0.012 GB"``).
+    """
+    return f"{nbytes / 1e9:.{digits}f} GB"
 
 
 def format_gib(nbytes: int | float) -> str:

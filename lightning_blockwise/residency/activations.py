@@ -17,8 +17,10 @@
 # waits for the host-to-device event before the input is read. A slab goes back to the
 # pool once its input has been taken back, behind the compute stream's wait; the next
 # save into it waits for the compute stream again, so it cannot overwrite bytes still in
-# flight. The device buffer of a fetched input is allocated on the compute stream and
-# read only after the compute stream waited for its copy, so it needs no record_stream.
+# flight. The device buffer of a fetched input is allocated on the compute stream, so the
+# host-to-device copy first waits for the work queued there (the caching allocator may hand
+# out memory that queued kernels still use: it orders reuse by the compute stream alone), and
+# the input is read only after the compute stream waited for the copy: no record_stream.
 #
 # Inputs that are not contiguous stay on the device (a contiguous copy could change the
 # kernels the recompute picks); ``stats.kept_on_device`` counts them.
@@ -209,6 +211,8 @@ class ActivationOffload:
         device = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         if self._cuda:
             assert self._to_device is not None and saved._stored is not None
+            # The buffer is the compute stream's: kernels queued there may still use its memory.
+            self._to_device.wait_stream(torch.cuda.current_stream(self.device))
             self._to_device.wait_event(saved._stored)
             with torch.cuda.stream(self._to_device):
                 device.copy_(host, non_blocking=True)

@@ -18,7 +18,7 @@ from bitsandbytes.functional import QuantState
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    # Only for annotations: layout.py imports this module to record each tensor's bindings.
+    # Only for annotations: layout.py and walk.py (which records each tensor's bindings) import this module.
     from lightning_blockwise.residency.layout import BlockLayout
 
 

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_blockwise.planning import format_gb
+
 #: How to make a CUDA stack deterministic, the fix both the check's warning and a report give.
 DETERMINISM_FIX = (
     "Train with `Trainer(deterministic=True)` and set the environment variable `CUBLAS_WORKSPACE_CONFIG=:4096:8`"
@@ -73,7 +75,7 @@ class ParityResult:
         if self.checked_layers == 0:
             return (
                 f"Nothing was checked: not even the first block fits the reference's memory limit"
-                f" ({_gb(self.reference_limit)} GB available, {_gb(self.reference_bytes)} GB needed)."
+                f" ({self._limit_gb()} available, {format_gb(self.reference_bytes, digits=3)} needed)."
             )
         if self.full:
             return (
@@ -83,9 +85,13 @@ class ParityResult:
         return (
             f"Compared decoder layers 0..{self.checked_layers - 1} ({self.checked_blocks} of {self.num_blocks}"
             f" blocks) resident against blockwise; layers {self.checked_layers}..{self.num_layers - 1} ran blockwise"
-            f" in both arms because the full reference does not fit ({_gb(self.reference_limit)} GB available)."
+            f" in both arms because the full reference does not fit ({self._limit_gb()} available)."
             f" {self.num_tensors} tensors compared: the loss and every adapter gradient."
         )
+
+    def _limit_gb(self) -> str:
+        """The reference's memory limit as the report prints it."""
+        return "unlimited GB" if self.reference_limit is None else format_gb(self.reference_limit, digits=3)
 
     def report(self) -> str:
         """The scope, the verdict and one line per differing tensor."""
@@ -110,7 +116,7 @@ class ParityResult:
                     " with the model type, the strategy's options and this report."
                 )
         if self.peak_vram_bytes is not None:
-            lines.append(f"Peak allocated VRAM during the check: {_gb(self.peak_vram_bytes)} GB.")
+            lines.append(f"Peak allocated VRAM during the check: {format_gb(self.peak_vram_bytes, digits=3)}.")
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
@@ -132,7 +138,3 @@ class ParityResult:
         state = dict(state)
         state["mismatches"] = [TensorMismatch(**m) for m in state.get("mismatches", [])]
         return cls(**state)
-
-
-def _gb(nbytes: int | None) -> str:
-    return "unlimited" if nbytes is None else f"{nbytes / 1e9:.3f}"

@@ -110,9 +110,10 @@ def test_predicted_peak_within_10_percent_of_measured(shape: str) -> None:
     config = transformers.Qwen2Config(vocab_size=152064, tie_word_embeddings=False, **kwargs)
     sizes = model_sizes(config, dtype=torch.bfloat16, lora_rank=16)
     predicted = sizes.residency(tokens=512, block_size=1, prefetch_depth=2).predicted_peak
-    assert abs(predicted - measured) / measured < 0.10, f"{shape}: predicted {predicted / 1e9:.3f} GB"
-    # What the strategy itself logged for these runs (RESULTS.md): 3.35 GB and 6.28 GB.
-    assert round(predicted / 1e9, 2) == {"7b": 3.35, "32b": 6.28}[shape]
+    # Within 10% and never under (issue 12's long-context model: the loss and a layer's backward are not
+    # alive together; before it, the strategy logged 3.35 GB and 6.28 GB for these runs).
+    assert 0 <= (predicted - measured) / measured < 0.10, f"{shape}: predicted {predicted / 1e9:.3f} GB"
+    assert round(predicted / 1e9, 2) == {"7b": 3.17, "32b": 5.78}[shape]
 
 
 def test_recommendation_for_a_card() -> None:

@@ -79,9 +79,9 @@ def test_base_model_depends_on_the_seed_alone() -> None:
 
 
 def test_validation_leaves_the_cpu_4bit_training_path_alone() -> None:
-    # See NOTE [ bitsandbytes CPU inference kernel ] in lightning_blockwise/compat/bitsandbytes.py: without the fix, an
-    # eval-mode no-grad forward on an AVX512-BF16 CPU repacks the weights and the next training
-    # forward raises (or loses the base's gradients).
+    # See NOTE [ bitsandbytes CPU inference kernel ] in lightning_blockwise/compat/bitsandbytes/cpu_kernel.py:
+    # without the fix, an eval-mode no-grad forward on an AVX512-BF16 CPU repacks the weights and the next
+    # training forward raises (or loses the base's gradients).
     model = get_peft_model(build_base_model(num_hidden_layers=1), LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
     batch = next(iter(_splits().train_dataloader()))
 

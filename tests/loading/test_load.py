@@ -50,7 +50,10 @@ def _save(model_type: str, path: Path, dtype: torch.dtype, max_shard_size: str |
 
 
 def _standard(path: Path, compute_dtype: torch.dtype) -> PreTrainedModel:
-    """The standard path; `.train()` at once (NOTE [ bitsandbytes CPU inference kernel ] in compat_bitsandbytes.py)."""
+    """The standard path; `.train()` at once.
+
+    NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py.
+    """
     return AutoModelForCausalLM.from_pretrained(
         path, quantization_config=nf4_config(compute_dtype), device_map="cpu", dtype=compute_dtype
     ).train()

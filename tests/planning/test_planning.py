@@ -26,7 +26,8 @@ def test_activation_peak_by_hand() -> None:
     logits = 512 * 100 * 12
     graph = 512 * (6 * 8 + 4 * 16) * 2
     dequantized = 2 * 8 * 16 * 2
-    assert shape.activation_peak() == saved + logits + graph + dequantized
+    through = 4 * 512 * 8 * 2  # the last hidden states and the gradients through the stack
+    assert shape.activation_peak() == int((saved + through + max(logits, graph + dequantized)) * 1.02)
     assert shape.offloaded_host_bytes() == 0
 
 
@@ -39,7 +40,8 @@ def test_activation_peak_with_offload_and_a_chunked_loss_by_hand() -> None:
     logits = 64 * 100 * 12
     graph = 512 * (6 * 8 + 4 * 16) * 2
     dequantized = 2 * 8 * 16 * 2
-    assert shape.activation_peak() == in_flight + logits + graph + dequantized
+    through = 4 * 512 * 8 * 2
+    assert shape.activation_peak() == int((in_flight + through + max(logits, graph + dequantized)) * 1.02)
     assert shape.offloaded_host_bytes() == 5 * 512 * 8 * 2
 
 

@@ -1,0 +1,44 @@
+"""bitsandbytes' 4-bit linears in a model: converting a meta model's linears, finding them, quantizing a weight."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from bitsandbytes.nn import Linear4bit, Params4bit
+from torch import Tensor, nn
+from transformers import BitsAndBytesConfig, PreTrainedModel
+from transformers.integrations import replace_with_bnb_linear
+from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+
+def replace_with_4bit_linears(model: PreTrainedModel, config: BitsAndBytesConfig) -> None:
+    """Convert a meta model's linears to ``Linear4bit`` in place, as ``from_pretrained(quantization_config=config)``.
+
+    With transformers' own skip list, so ``lm_head``, the model's fp32 modules and
+    ``config.llm_int8_skip_modules`` stay unquantized (NOTE [ Same bytes as from_pretrained ] in
+    loading/nf4.py).
+    """
+    skip = Bnb4BitHfQuantizer(config).get_modules_to_not_convert(
+        model, config.llm_int8_skip_modules, model._keep_in_fp32_modules
+    )
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config, pre_quantized=False)
+
+
+def named_4bit_linears(module: nn.Module) -> Iterator[tuple[str, Linear4bit]]:
+    """``(name, module)`` of every bitsandbytes 4-bit linear in ``module``, as ``named_modules`` gives them."""
+    return ((name, sub) for name, sub in module.named_modules() if isinstance(sub, Linear4bit))
+
+
+def is_4bit_weight(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner.<attr>`` is the weight of a bitsandbytes 4-bit linear (quantized, or to be quantized)."""
+    return isinstance(owner, Linear4bit) and attr == "weight"
+
+
+def quantize_like(meta_weight: Params4bit, value: Tensor, device: torch.device) -> Params4bit:
+    """Quantize ``value`` on ``device`` with the settings of ``meta_weight``, as transformers' ``Bnb4bitQuantize``.
+
+    ``Params4bit(value, **meta_param.__dict__).to(device)`` carries the meta parameter's blocksize,
+    quant type, double quantization and storage dtype.
+    """
+    return Params4bit(value, requires_grad=False, **meta_weight.__dict__).to(device)
