@@ -6,7 +6,8 @@ projections, bf16-mixed, batch 1, AdamW, trained through `Trainer.fit`. Arms (na
 - `resident_ckpt`: `strategy="auto"` with Hugging Face gradient checkpointing;
 - `blockwise`: `BlockwiseStrategy(offload_activations=False)`, default options otherwise;
 - `+offload`: `offload_activations=True` (layer inputs in pinned host memory);
-- `+chunked`: the module's loss is `chunked_causal_lm_loss(chunk_tokens=4096)` instead of Hugging Face's.
+- `+chunked`: the module's loss is `chunked_causal_lm_loss(chunk_tokens=1024)` instead of Hugging Face's;
+- `+tiled`: the module tiles its MLPs (`tile_mlps(model, 4096)`).
 
 Each arm prints a JSON line: median s/step over the measured steps (after `--warmup`), tokens/s, peak
 allocated and reserved GB over the measured steps, host-to-device and device-to-host GB per step
@@ -16,7 +17,7 @@ allocated and reserved GB over the measured steps, host-to-device and device-to-
     python -m benchmarks.long_context card --path /tmp/ckpt-72b --seq 32768 --cap-gib 22
 
 `card` caps the caching allocator from the process start (`set_per_process_memory_fraction`),
-loads the checkpoint with `load_blockwise` and trains with both options on.
+loads the checkpoint with `load_blockwise` and trains with `--arm` (default: every long-context option on).
 """
 
 from __future__ import annotations
@@ -36,18 +37,27 @@ from torch.utils.data import DataLoader
 
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.loss import chunked_causal_lm_loss
+from lightning_blockwise.tiling import tile_mlps, untile
 
-CHUNK = 4096
+CHUNK = 1024
+TILE = 4096
 
 
 class LongModule(pl.LightningModule):
     """Trains ``model`` on random tokens with Hugging Face's loss or the chunked one."""
 
-    def __init__(self, model: nn.Module, loss_chunk_tokens: int | None) -> None:
+    def __init__(self, model: nn.Module, loss_chunk_tokens: int | None, mlp_tile_tokens: int | None) -> None:
         super().__init__()
         self.model = model
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.mlp_tile_tokens = mlp_tile_tokens
+        if mlp_tile_tokens is not None:
+            tile_mlps(model, mlp_tile_tokens)
+        else:
+            for layer in find_decoder_stack(model, allow_unvalidated=True).layers:
+                untile(layer.mlp)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.loss_chunk_tokens is None:
@@ -96,6 +106,7 @@ def _traffic_sources(trainer: pl.Trainer) -> list[Any]:
 def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab: int, det: bool) -> dict[str, Any]:
     parts = arm.split("+")
     chunk = CHUNK if "chunked" in parts else None
+    tile = TILE if "tiled" in parts else None
     if parts[0] == "resident_ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -113,7 +124,7 @@ def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab
     )  # fmt: skip
     row: dict[str, Any] = {"oom": False}
     try:
-        trainer.fit(LongModule(model, chunk), DataLoader(batches, batch_size=None))
+        trainer.fit(LongModule(model, chunk, tile), DataLoader(batches, batch_size=None))
     except torch.OutOfMemoryError as error:
         row.update(oom=True, error=str(error).splitlines()[0])
     row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -157,7 +168,7 @@ def grid(args: argparse.Namespace) -> None:
 def card(args: argparse.Namespace) -> None:
     from lightning_blockwise.loading.load import load_blockwise
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     cap = args.cap_gib * 2**30
     torch.cuda.set_per_process_memory_fraction(cap / total, device)  # before anything is allocated
@@ -165,7 +176,7 @@ def card(args: argparse.Namespace) -> None:
     model = load_blockwise(args.path, compute_dtype=torch.bfloat16, progress=False)
     load_s = time.perf_counter() - start
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
-    row = run_arm(model, "blockwise+offload+chunked", args.seq, args.steps, args.warmup, model.config.vocab_size, False)
+    row = run_arm(model, args.arm, args.seq, args.steps, args.warmup, model.config.vocab_size, False)
     _emit({"card_gib": args.cap_gib, "seq": args.seq, "load_s": load_s, "cap_gb": cap / 1e9, **row}, args.out)
 
 
@@ -194,6 +205,7 @@ def main() -> None:
     c.add_argument("--path", required=True)
     c.add_argument("--seq", type=int, default=32768)
     c.add_argument("--cap-gib", type=float, default=22.0)
+    c.add_argument("--arm", default="blockwise+offload+chunked+tiled")
     for sub in (g, c):
         sub.add_argument("--steps", type=int, default=3)
         sub.add_argument("--warmup", type=int, default=1)

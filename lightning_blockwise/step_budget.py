@@ -65,6 +65,7 @@ class StepBudget:
         budget: The ``vram_budget`` in bytes, or ``None``.
         offload: Force layer-input offload on or off; ``None`` turns it on when the plan needs it.
         loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: all).
+        mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
         device_limit: Without a budget, the device bytes beyond which automatic offload turns on
             (``None``: never, e.g. on the CPU).
     """
@@ -79,12 +80,19 @@ class StepBudget:
     budget: int | None
     offload: bool | None
     loss_chunk_tokens: int | None
+    mlp_tile_tokens: int | None
     device_limit: int | None
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
         """The step shape at ``tokens`` tokens per micro-batch."""
         return StepShape.for_config(
-            self.config, tokens, self.num_layers, self.activation_bytes, offload, self.loss_chunk_tokens
+            self.config,
+            tokens,
+            self.num_layers,
+            self.activation_bytes,
+            offload_inputs=offload,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            mlp_tile_tokens=self.mlp_tile_tokens,
         )
 
     def plan(self, tokens: int) -> StepPlan:

@@ -262,7 +262,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             if tensor.device == self.root_device:
                 on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         head = self._stack.model.get_output_embeddings()
-        chunk = getattr(self.lightning_module, "loss_chunk_tokens", None)
         trainable = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
         return StepBudget(
             config=self._stack.model.config,
@@ -274,7 +273,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             trainable_bytes=trainable,
             budget=self.vram_budget,
             offload=self.offload_activations,
-            loss_chunk_tokens=chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else None,
+            loss_chunk_tokens=_declared_count(self.lightning_module, "loss_chunk_tokens"),
+            mlp_tile_tokens=_declared_count(self.lightning_module, "mlp_tile_tokens"),
             device_limit=device_limit(self.root_device),
         )
 
@@ -475,6 +475,12 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 cls,
                 description="Frozen decoder layers rematerialized and streamed block by block (lightning-blockwise)",
             )
+
+
+def _declared_count(module: Any, name: str) -> int | None:
+    """A positive integer the module declares for the planner (``loss_chunk_tokens``, ``mlp_tile_tokens``)."""
+    value = getattr(module, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _is_local(path: str | Path) -> bool:

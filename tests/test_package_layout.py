@@ -20,7 +20,7 @@ ROOT = PACKAGE.parent
 #: Layers from the bottom up: a module may import from its own layer and the layers below, never above.
 LAYERS: list[set[str]] = [
     {"compat", "_deprecated", "loss"},
-    {"architectures"},
+    {"architectures", "tiling"},
     {"planning"},
     {"residency"},
     {"replay"},

@@ -37,6 +37,8 @@ class StepShape:
         loss_chunk_tokens: Rows of logits the module's loss builds at a time
             (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
             as Hugging Face's loss does.
+        mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
+            (:func:`~lightning_blockwise.tiling.tile_mlps`); ``None``: untiled.
     """
 
     tokens: int
@@ -47,6 +49,7 @@ class StepShape:
     activation_bytes: int = 2
     offload_inputs: bool = False
     loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
 
     @classmethod
     def for_config(
@@ -57,6 +60,7 @@ class StepShape:
         activation_bytes: int = 2,
         offload_inputs: bool = False,
         loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -67,6 +71,7 @@ class StepShape:
             activation_bytes: Bytes per activation element (the LM head's element size).
             offload_inputs: Layer inputs wait for the backward in host memory.
             loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
+            mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
         """
         config = getattr(config, "text_config", None) or config
         return cls(
@@ -78,6 +83,7 @@ class StepShape:
             activation_bytes=activation_bytes,
             offload_inputs=offload_inputs,
             loss_chunk_tokens=loss_chunk_tokens,
+            mlp_tile_tokens=mlp_tile_tokens,
         )
 
     def activation_peak(self) -> int:
@@ -97,8 +103,20 @@ class StepShape:
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
         # The decoder's last hidden states and the gradients flowing through the stack, alive throughout.
         through = _HIDDEN_STATES_ALIVE * self.input_bytes()
-        peak = saved_inputs + through + max(logits, self.layer_graph() + dequantized)
+        peak = saved_inputs + through + max(logits, self.layer_working_set() + dequantized)
         return int(peak * _ALLOCATOR_ROUNDING)
+
+    def layer_working_set(self) -> int:
+        """Predicted bytes one layer's recompute and backward add at their peak (without the dequantized weight).
+
+        The recompute's graph and the gradients flowing through it, the MLP's the largest:
+        ``tokens x (10 hidden + 6 intermediate)`` activation elements, fitted to one Qwen2.5 7B, 32B
+        and 72B layer with LoRA measured on the H100 at 8k-32k tokens (``benchmarks/layer_working_set.py``:
+        302, 439 and 524 KB per token; this predicts 0-10% above). With tiled MLPs the MLP's part
+        is that of one tile (NOTE [ Tiled MLP ] in tiling.py).
+        """
+        mlp_tokens = self.tokens if self.mlp_tile_tokens is None else min(self.tokens, self.mlp_tile_tokens)
+        return (10 * self.tokens * self.hidden_size + 6 * mlp_tokens * self.intermediate_size) * self.activation_bytes
 
     def input_bytes(self) -> int:
         """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""
