@@ -76,6 +76,7 @@ class Meter(pl.Callback):
         self.times: list[float] = []
         self.h2d: list[int] = []
         self.d2h: list[int] = []
+        self.offload_host_bytes = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         torch.cuda.synchronize()
@@ -96,6 +97,8 @@ class Meter(pl.Callback):
         h2d = streamer.stats.bytes if streamer is not None else 0
         self.h2d.append(h2d + (offload.stats.host_to_device_bytes if offload is not None else 0))
         self.d2h.append(offload.stats.device_to_host_bytes if offload is not None else 0)
+        # Read during the run: teardown frees the slabs.
+        self.offload_host_bytes = max(self.offload_host_bytes, offload.host_bytes if offload is not None else 0)
 
 
 def _traffic_sources(trainer: pl.Trainer) -> list[Any]:
@@ -136,9 +139,8 @@ def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab
             d2h_gb_per_step=statistics.median(meter.d2h) / 1e9,
         )  # fmt: skip
     if isinstance(strategy, BlockwiseStrategy) and strategy.step_plan is not None:
-        offload = strategy.activation_offload
         copy = strategy.host_copy
-        row["host_pinned_gb"] = ((copy.arena.nbytes if copy else 0) + (offload.host_bytes if offload else 0)) / 1e9
+        row["host_pinned_gb"] = ((copy.arena.nbytes if copy else 0) + meter.offload_host_bytes) / 1e9
         row["predicted_peak_gb"] = strategy.step_plan.residency.predicted_peak / 1e9
         row["offload"] = strategy.step_plan.offload
     if parts[0] == "resident_ckpt":
