@@ -7,6 +7,7 @@ subcommands), by :func:`~lightning_blockwise.cli.main`.
 Example::
 
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --gpu-memory 24GiB --json
+    lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.planning import format_gb, parse_bytes
-from lightning_blockwise.planning.sizing import model_sizes, recommend
+from lightning_blockwise.planning.sizing import CUDA_CONTEXT_RESERVE, Recommendation, model_sizes, recommend
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
 PLAN_COMMAND = "plan"
+#: ``--offload-activations``: the strategy's ``offload_activations`` for each choice.
+_OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 
 
 def plan(args: list[str] | None = None) -> dict[str, Any]:
@@ -54,6 +58,8 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             prefetch_depth=options.prefetch_depth,
             vram_budget=options.vram_budget,
             gpu_memory=options.gpu_memory,
+            offload_activations=_OFFLOAD_CHOICES[options.offload_activations],
+            loss_chunk_tokens=options.loss_chunk_tokens,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -75,6 +81,8 @@ def plan_report(
     prefetch_depth: int = 2,
     vram_budget: int | None = None,
     gpu_memory: int | None = None,
+    offload_activations: bool | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -88,7 +96,12 @@ def plan_report(
         block_size: Decoder layers per block.
         prefetch_depth: Blocks copied ahead of the one in use.
         vram_budget: The ``vram_budget`` to plan for, in bytes.
-        gpu_memory: A card's memory, in bytes, to recommend a budget and block size for.
+        gpu_memory: A card's memory, in bytes, to recommend a budget, block size, offload and loss for. Without a
+            ``vram_budget``, automatic offload also plans for it (as the strategy does for the card it runs on).
+        offload_activations: The strategy's ``offload_activations``: ``None`` turns offload on when the step does
+            not fit (the budget, else the card) without it.
+        loss_chunk_tokens: Rows of logits the module's loss builds at a time
+            (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
@@ -111,10 +124,22 @@ def plan_report(
             f"--block-size {block_size} is more than the {sizes.num_layers} decoder layers of this"
             f" {sizes.model_type} model; pick 1 to {sizes.num_layers}."
         )
+    # Without a budget, the strategy decides automatic offload against the card it runs on (`device_limit`).
+    card_limit = None if gpu_memory is None else gpu_memory - CUDA_CONTEXT_RESERVE
+    step_budget = sizes.step_budget(
+        block_size, prefetch_depth, vram_budget, offload_activations, loss_chunk_tokens, device_limit=card_limit
+    )
     try:
-        residency = sizes.residency(tokens, block_size, prefetch_depth, vram_budget)
+        step = step_budget.plan(tokens)
     except ValueError as error:
-        raise MisconfigurationException(f"--vram-budget: {error}") from None
+        chunked = (
+            ""
+            if loss_chunk_tokens is not None
+            else f" Or plan for the chunked loss (--loss-chunk-tokens {DEFAULT_CHUNK_TOKENS}), which never holds every"
+            " token's logits."
+        )
+        raise MisconfigurationException(f"--vram-budget: {error}{chunked}") from None
+    offload_host_bytes = step.offload_host_bytes
     report: dict[str, Any] = {
         "model_type": sizes.model_type,
         "num_layers": sizes.num_layers,
@@ -127,20 +152,45 @@ def plan_report(
         "device_frozen_bytes": sizes.device_bytes,
         "adapter_bytes": sizes.trainable_bytes,
         "vram_budget": vram_budget,
-        **_plan_fields(residency),
+        **_plan_fields(step.residency),
+        "offload_activations_option": _option_name(offload_activations),
+        "offload_activations": step.offload,
+        "loss_chunk_tokens": loss_chunk_tokens,
+        "offload_host_bytes": offload_host_bytes,
+        "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,
     }
     if gpu_memory is not None:
-        advice = recommend(sizes, gpu_memory, tokens, prefetch_depth)
-        report["recommendation"] = {
-            "gpu_memory": gpu_memory,
-            "fits": advice.plan is not None,
-            "vram_budget": advice.budget,
-            "vram_budget_text": f"{advice.budget / 2**30:.1f}GiB",
-            "block_size": advice.block_size,
-            "minimum_bytes": advice.minimum,
-            **(_plan_fields(advice.plan) if advice.plan is not None else {}),
-        }
+        advice = recommend(sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens)
+        report["recommendation"] = _recommendation_fields(advice, sizes.host_bytes(advice.block_size))
     return report
+
+
+def _option_name(offload_activations: bool | None) -> str:
+    return next(name for name, value in _OFFLOAD_CHOICES.items() if value is offload_activations)
+
+
+def _recommendation_fields(advice: Recommendation, host_arena_bytes: int) -> dict[str, Any]:
+    """The ``recommendation`` of the report, with the settings to copy into a config."""
+    budget_text = f"{advice.budget / 2**30:.1f}GiB"
+    strategy = {"vram_budget": budget_text, "block_size": advice.block_size}
+    if advice.offload_activations:
+        strategy["offload_activations"] = True
+    return {
+        "gpu_memory": advice.gpu_memory,
+        "fits": advice.plan is not None,
+        "vram_budget": advice.budget,
+        "vram_budget_text": budget_text,
+        "block_size": advice.block_size,
+        "minimum_bytes": advice.minimum,
+        **(_plan_fields(advice.plan) if advice.plan is not None else {}),
+        "offload_activations": advice.offload_activations,
+        "loss_chunk_tokens": advice.loss_chunk_tokens,
+        "offload_host_bytes": advice.offload_host_bytes,
+        "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes,
+        # `trainer.strategy.init_args` and `model.init_args` of a config (configs/*.yaml).
+        "strategy_settings": strategy,
+        "model_settings": {} if advice.loss_chunk_tokens is None else {"loss_chunk_tokens": advice.loss_chunk_tokens},
+    }
 
 
 def _plan_fields(residency: Any) -> dict[str, Any]:
@@ -214,7 +264,21 @@ def _plan_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         type=_memory_size,
         default=None,
-        help="A card's memory, e.g. 24GiB: recommend budget and block size.",
+        help="A card's memory, e.g. 24GiB: recommend budget, block size, offload and loss (default: none).",
+    )
+    parser.add_argument(
+        "--offload-activations",
+        choices=list(_OFFLOAD_CHOICES),
+        default="auto",
+        help="The strategy's offload_activations: layer inputs wait for the backward in pinned host memory. auto"
+        " turns it on when the step does not fit --vram-budget, else --gpu-memory, without it (default: auto).",
+    )
+    parser.add_argument(
+        "--loss-chunk-tokens",
+        type=_positive_int,
+        default=None,
+        help="Rows of logits the module's loss builds at a time (chunked_causal_lm_loss, a module's"
+        " loss_chunk_tokens; default: none, Hugging Face's loss, all rows at once).",
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
     return parser
@@ -240,38 +304,24 @@ def _print_report(report: dict[str, Any]) -> None:
         ("model", f"{report['model_type']}, {report['num_layers']} decoder layers"),
         ("step", f"{report['tokens']} tokens per micro-batch"),
         ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
+        ("layer inputs", _inputs_text(report)),
+        ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
         ("host RAM, pinned arena", format_gb(report["host_arena_bytes"])),
-        ("host RAM, embedding table", format_gb(report["host_embedding_bytes"])),
+        ("host RAM, offloaded layer inputs", format_gb(report["offload_host_bytes"]) + " pinned"),
+        ("host RAM, pinned in all", format_gb(report["host_pinned_bytes"])),
+        ("host RAM, embedding table", format_gb(report["host_embedding_bytes"]) + " (not pinned)"),
         ("VRAM, frozen head/norms/tables", format_gb(report["device_frozen_bytes"])),
         ("VRAM, adapters (x4 with grads and AdamW)", format_gb(report["adapter_bytes"])),
         (
             "VRAM, predicted peak",
             f"{format_gb(report['predicted_peak_bytes'])} ({report['resident_blocks']} blocks resident,"
-            f" {report['num_slots']} slots of {report['slot_bytes'] / 1e6:.1f} MB)",
+            f" {report['num_slots']} slots of {report['slot_bytes'] / 1e6:.1f} MB){_over_the_card(report)}",
         ),
         ("smallest vram_budget", format_gb(report["minimum_bytes"])),
     ]
     advice = report.get("recommendation")
     if advice is not None:
-        card = f"{advice['gpu_memory'] / 2**30:g} GiB"
-        if advice["fits"]:
-            rows.append(
-                (
-                    f"on a {card} card",
-                    f"vram_budget: {advice['vram_budget_text']}, block_size: {advice['block_size']}:"
-                    f" predicted peak {format_gb(advice['predicted_peak_bytes'])},"
-                    f" {advice['resident_blocks']} blocks resident",
-                )
-            )
-        else:
-            rows.append(
-                (
-                    f"on a {card} card",
-                    f"does not fit: needs a budget of {format_gb(advice['minimum_bytes'])}, the card allows"
-                    f" {format_gb(advice['vram_budget'])}; shorten --seq-len or --batch-size,"
-                    " or lower --prefetch-depth",
-                )
-            )
+        rows.extend(_recommendation_rows(advice, report))
     try:
         from rich.console import Console
         from rich.table import Table
@@ -281,7 +331,89 @@ def _print_report(report: dict[str, Any]) -> None:
         return
     table = Table(title="lightning-blockwise plan (predicted, NF4 + double quant)")
     table.add_column("quantity")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _over_the_card(report: dict[str, Any]) -> str:
+    """A warning where the step as given does not fit the ``--gpu-memory`` card (its recommendation says what does)."""
+    advice = report.get("recommendation")
+    if advice is None or report["vram_budget"] is not None:
+        return ""
+    usable = advice["gpu_memory"] - CUDA_CONTEXT_RESERVE
+    if report["predicted_peak_bytes"] <= usable:
+        return ""
+    return f"; more than the {format_gb(usable)} the card leaves, see its recommendation below"
+
+
+def _inputs_text(report: dict[str, Any]) -> str:
+    option = report["offload_activations_option"]
+    if not report["offload_activations"]:
+        return f"kept on the device until the backward (offload_activations: {option})"
+    if option == "on":
+        return "offloaded to pinned host memory (offload_activations: on)"
+    return "offloaded to pinned host memory (offload_activations: auto; the step does not fit without)"
+
+
+def _loss_text(loss_chunk_tokens: int | None, tokens: int) -> str:
+    if loss_chunk_tokens is None:
+        return f"Hugging Face's: the logits of all {tokens} tokens at once"
+    return f"chunked: {loss_chunk_tokens} rows of logits at a time"
+
+
+def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of a card's recommendation: settings to copy, what they predict, what they cost on the host."""
+    card = f"on a {advice['gpu_memory'] / 2**30:g} GiB card"
+    chunk = advice["loss_chunk_tokens"]
+    if not advice["fits"]:
+        tried = [
+            "offload_activations: true" if advice["offload_activations"] else "",
+            "" if chunk is None else f"a loss of {chunk}-row chunks",
+        ]
+        even = " and ".join(filter(None, tried))
+        return [
+            (
+                card,
+                f"does not fit{f' even with {even}' if even else ''}: needs a budget of"
+                f" {format_gb(advice['minimum_bytes'])}, the card allows {format_gb(advice['vram_budget'])};"
+                " shorten --seq-len or --batch-size, or lower --prefetch-depth",
+            )
+        ]
+    settings = ", ".join(f"{name}: {_yaml(value)}" for name, value in advice["strategy_settings"].items())
+    rows = [
+        (
+            card,
+            f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])},"
+            f" {advice['resident_blocks']} blocks resident",
+        )
+    ]
+    if advice["offload_activations"]:
+        rows.append(
+            (
+                f"{card}, host RAM",
+                f"{format_gb(advice['host_pinned_bytes'])} pinned: the arena and"
+                f" {format_gb(advice['offload_host_bytes'])} of offloaded layer inputs",
+            )
+        )
+    if chunk is not None:
+        # Said only where the recommendation chose the chunked loss, not where the user gave it.
+        why = (
+            f": Hugging Face's loss over all {report['tokens']} tokens does not fit"
+            if report["loss_chunk_tokens"] is None
+            else ""
+        )
+        rows.append(
+            (
+                f"{card}, loss",
+                f"use chunked_causal_lm_loss(..., chunk_tokens={chunk}) / CausalLMFineTune(loss_chunk_tokens={chunk})"
+                + why,
+            )
+        )
+    return rows
+
+
+def _yaml(value: Any) -> str:
+    """A setting as a YAML config spells it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

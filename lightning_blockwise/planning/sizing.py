@@ -24,9 +24,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import Nf4Format, code_table_bytes, nf4_tensor_bytes
-from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape, plan_residency
+from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
+from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
 from lightning_blockwise.residency.arena import slab_offsets
 from lightning_blockwise.residency.layout import ALIGNMENT, frozen_tensors, tensor_offsets
+from lightning_blockwise.step_budget import StepBudget
 
 #: Bytes per trainable adapter element: PEFT keeps adapters in fp32 over a bf16 or 4-bit base.
 _ADAPTER_BYTES = 4
@@ -82,33 +84,88 @@ class ModelSizes:
         """The pinned host arena for ``block_size``: every block's slab, each starting aligned (``arena.nbytes``)."""
         return slab_offsets(self.block_bytes(block_size))[-1]
 
-    def residency(
-        self, tokens: int, block_size: int = 1, prefetch_depth: int = 2, budget: int | None = None
-    ) -> ResidencyPlan:
-        """The strategy's residency plan and predicted training-step peak for this model.
+    def shape(self, tokens: int, offload_inputs: bool = False, loss_chunk_tokens: int | None = None) -> StepShape:
+        """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
 
-        The same planner with the same inputs as ``BlockwiseStrategy`` at setup: the device
-        bytes counted there are the frozen ones here plus the adapters.
+        Args:
+            tokens: Tokens per micro-batch (batch size x sequence length).
+            offload_inputs: Layer inputs wait for the backward in host memory.
+            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
+        """
+        return StepShape.for_config(
+            self.config,
+            tokens,
+            self.num_layers,
+            self.activation_bytes,
+            offload_inputs=offload_inputs,
+            loss_chunk_tokens=loss_chunk_tokens,
+        )
+
+    def step_budget(
+        self,
+        block_size: int = 1,
+        prefetch_depth: int = 2,
+        budget: int | None = None,
+        offload: bool | None = None,
+        loss_chunk_tokens: int | None = None,
+        device_limit: int | None = None,
+    ) -> StepBudget:
+        """The strategy's step budget for this model: the same planner with the same inputs as at setup.
+
+        The device bytes the strategy counts there are the frozen ones here plus the adapters.
+
+        Args:
+            block_size: Decoder layers per block.
+            prefetch_depth: Blocks copied ahead of the one in use.
+            budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
+            offload: ``offload_activations``: force layer-input offload on or off; ``None`` turns it on
+                when the step does not fit (the budget, else ``device_limit``) without it.
+            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
+            device_limit: Without a budget, the device bytes beyond which automatic offload turns on.
+
+        Raises:
+            ValueError: If ``block_size`` is out of range.
+        """
+        BlockPlan(num_layers=self.num_layers, block_size=block_size)  # refuses a block size out of range
+        return StepBudget(
+            config=self.config,
+            num_layers=self.num_layers,
+            activation_bytes=self.activation_bytes,
+            block_bytes=self.block_bytes(block_size),
+            prefetch_depth=prefetch_depth,
+            fixed_bytes=self.device_bytes + self.trainable_bytes,
+            trainable_bytes=self.trainable_bytes,
+            budget=budget,
+            offload=offload,
+            loss_chunk_tokens=loss_chunk_tokens,
+            mlp_tile_tokens=None,
+            device_limit=device_limit,
+        )
+
+    def residency(
+        self,
+        tokens: int,
+        block_size: int = 1,
+        prefetch_depth: int = 2,
+        budget: int | None = None,
+        offload_inputs: bool = False,
+        loss_chunk_tokens: int | None = None,
+    ) -> ResidencyPlan:
+        """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
 
         Args:
             tokens: Tokens per micro-batch (batch size x sequence length; the strategy's ``budget_tokens``).
             block_size: Decoder layers per block.
             prefetch_depth: Blocks copied ahead of the one in use.
             budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
+            offload_inputs: Layer inputs wait for the backward in host memory (``offload_activations=True``).
+            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
 
         Raises:
-            MisconfigurationException: If ``block_size`` is out of range or ``budget`` is below the minimum.
+            ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
         """
-        BlockPlan(num_layers=self.num_layers, block_size=block_size)  # refuses a block size out of range
-        shape = StepShape.for_config(self.config, tokens, self.num_layers, self.activation_bytes)
-        return plan_residency(
-            block_bytes=self.block_bytes(block_size),
-            prefetch_depth=prefetch_depth,
-            fixed_bytes=self.device_bytes + self.trainable_bytes,
-            trainable_bytes=self.trainable_bytes,
-            activation_bytes=shape.activation_peak(),
-            budget=budget,
-        )
+        budgeted = self.step_budget(block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens)
+        return budgeted.plan(tokens).residency
 
 
 def model_sizes(
@@ -250,7 +307,11 @@ class Recommendation:
         block_size: The ``block_size`` to set.
         plan: The residency plan that budget and block size give; ``None`` when even every block
             streamed does not fit.
-        minimum: The smallest budget of ``block_size=1`` (every block streamed).
+        minimum: The smallest budget of ``block_size=1`` (every block streamed) with the options below.
+        offload_activations: The ``offload_activations`` to set: layer inputs wait for the backward in host memory.
+        loss_chunk_tokens: Rows of logits the module's loss should build at a time
+            (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
+        offload_host_bytes: Host bytes the offloaded layer inputs take (0 with offload off).
     """
 
     gpu_memory: int
@@ -258,10 +319,20 @@ class Recommendation:
     block_size: int
     plan: ResidencyPlan | None
     minimum: int
+    offload_activations: bool = False
+    loss_chunk_tokens: int | None = None
+    offload_host_bytes: int = 0
 
 
-def recommend(sizes: ModelSizes, gpu_memory: int, tokens: int, prefetch_depth: int = 2) -> Recommendation:
-    """The ``vram_budget`` and ``block_size`` for a card of ``gpu_memory`` bytes.
+def recommend(
+    sizes: ModelSizes,
+    gpu_memory: int,
+    tokens: int,
+    prefetch_depth: int = 2,
+    offload: bool | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> Recommendation:
+    """The ``vram_budget``, ``block_size``, offload and loss for a card of ``gpu_memory`` bytes.
 
     The budget is the card less :data:`CUDA_CONTEXT_RESERVE`, times :data:`BUDGET_FRACTION`,
     rounded down to a tenth of a GiB.
@@ -269,26 +340,70 @@ def recommend(sizes: ModelSizes, gpu_memory: int, tokens: int, prefetch_depth: i
     also when it streams at most 10% more (it copies faster); when everything fits resident,
     1 (nothing streams).
 
+    Only when even every block streamed does not fit is the step made smaller (NOTE [ Long-context
+    options ]): the layer inputs offloaded to host memory (unless ``offload`` is ``False``), else the
+    chunked loss at :data:`~lightning_blockwise.loss.DEFAULT_CHUNK_TOKENS` rows (unless
+    ``loss_chunk_tokens`` is given), without offload and then with it.
+
     Args:
         sizes: The model's sizes.
         gpu_memory: The card's memory, in bytes.
         tokens: Tokens per micro-batch.
         prefetch_depth: Blocks copied ahead of the one in use.
+        offload: ``offload_activations`` as the user set it; ``None``: chosen here.
+        loss_chunk_tokens: The chunk of the module's chunked loss; ``None``: Hugging Face's loss, or the
+            chunked loss where nothing else fits.
     """
     # Rounded down to a tenth of a GiB, so that it reads as the string to put in a config ("19.5GiB").
     budget = int((gpu_memory - CUDA_CONTEXT_RESERVE) * BUDGET_FRACTION / _BUDGET_STEP) * _BUDGET_STEP
-    minimum = sizes.residency(tokens, 1, prefetch_depth).minimum
+    # NOTE [ Long-context options ]
+    # Offload costs host RAM and link traffic but trains the same numbers; the chunked loss is a
+    # change to the module and not bit-identical to Hugging Face's (NOTE [ Chunked loss ] in
+    # loss.py). So the plain step is tried first, then offload; where the loss has to be chunked,
+    # offload is needed again only if the chunked loss alone does not fit (at 16k tokens a 7B
+    # model's logits take 30 GB: the chunked loss, not offload, is what brings it under a card).
+    # Offload is chosen as the strategy's `offload_activations=None` chooses it: only when the
+    # step does not fit without.
+    offloads = [False, True] if offload is None else [offload]
+    chunks = [loss_chunk_tokens] if loss_chunk_tokens is not None else [None, DEFAULT_CHUNK_TOKENS]
+    options = [(flag, chunk) for chunk in chunks for flag in offloads]
+    for offload_inputs, chunk in options:
+        advice = _recommend_blocks(sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk)
+        if advice.plan is not None:
+            return advice
+    return advice
+
+
+def _recommend_blocks(
+    sizes: ModelSizes,
+    gpu_memory: int,
+    budget: int,
+    tokens: int,
+    prefetch_depth: int,
+    offload_inputs: bool,
+    loss_chunk_tokens: int | None,
+) -> Recommendation:
+    """:func:`recommend`'s choice of ``block_size`` for one setting of offload and loss."""
+
+    def residency(block_size: int, budget: int | None = None) -> ResidencyPlan:
+        return sizes.residency(tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens)
+
+    options = {
+        "offload_activations": offload_inputs,
+        "loss_chunk_tokens": loss_chunk_tokens,
+        "offload_host_bytes": sizes.shape(tokens, offload_inputs, loss_chunk_tokens).offloaded_host_bytes(),
+    }
+    minimum = residency(1).minimum
     streamed: dict[int, tuple[int, ResidencyPlan]] = {}
     for block_size in (1, 2)[: sizes.num_layers]:
-        plan = sizes.residency(tokens, block_size, prefetch_depth)
-        if plan.minimum > budget:
+        if residency(block_size).minimum > budget:
             continue
-        plan = sizes.residency(tokens, block_size, prefetch_depth, budget)
+        plan = residency(block_size, budget)
         blocks = sizes.block_bytes(block_size)
         streamed[block_size] = (sum(b for i, b in enumerate(blocks) if i not in plan.resident), plan)
     if not streamed:
-        return Recommendation(gpu_memory, budget, 1, None, minimum)
+        return Recommendation(gpu_memory, budget, 1, None, minimum, **options)
     best = 1 if 1 in streamed else 2
     if best == 1 and 2 in streamed and 0 < streamed[2][0] <= _BLOCK_SIZE_2_TOLERANCE * streamed[1][0]:
         best = 2
-    return Recommendation(gpu_memory, budget, best, streamed[best][1], minimum)
+    return Recommendation(gpu_memory, budget, best, streamed[best][1], minimum, **options)

@@ -116,6 +116,14 @@ def test_predicted_peak_within_10_percent_of_measured(shape: str) -> None:
     assert round(predicted / 1e9, 2) == {"7b": 3.17, "32b": 5.78}[shape]
 
 
+def test_long_context_peak_within_10_percent_of_measured() -> None:
+    # Qwen2.5-32B shape at 8192 tokens, offload off and Hugging Face's loss: 24.48 GB allocated on the H100
+    # (LoRA r16 on all seven linears, bf16, batch 1).
+    sizes = model_sizes(_qwen25("32b"), dtype=torch.bfloat16, lora_rank=16)
+    predicted = sizes.residency(tokens=8192, block_size=1, prefetch_depth=2).predicted_peak
+    assert 0 <= (predicted - 24.48e9) / 24.48e9 < 0.10, f"predicted {predicted / 1e9:.3f} GB"
+
+
 def test_recommendation_for_a_card() -> None:
     sizes = model_sizes(_tiny_llama(), dtype=torch.float32)
     advice = recommend(sizes, gpu_memory=24 * 2**30, tokens=512)
@@ -173,6 +181,9 @@ def test_sizes_are_a_dataclass_of_the_config() -> None:
         ("--lora-rank", "0", "argument --lora-rank: 0 must be at least 1"),
         ("--block-size", "0", "argument --block-size: 0 must be at least 1"),
         ("--prefetch-depth", "0", "argument --prefetch-depth: 0 must be at least 1"),
+        ("--loss-chunk-tokens", "0", "argument --loss-chunk-tokens: 0 must be at least 1"),
+        ("--loss-chunk-tokens", "1k", "argument --loss-chunk-tokens: '1k' is not a whole number"),
+        ("--offload-activations", "yes", "argument --offload-activations: invalid choice: 'yes'"),
         ("--seq-len", "2k", "argument --seq-len: '2k' is not a whole number"),
         ("--vram-budget", "0GiB", "argument --vram-budget: The memory size '0GiB' must be positive"),
         ("--vram-budget", "sixteen", "argument --vram-budget: Cannot read 'sixteen' as a memory size"),
@@ -221,3 +232,121 @@ def test_model_sizes_refuses_unknown_targets_and_negative_ranks() -> None:
         model_sizes(_tiny_llama(), targets=["w_proj", "q_proj", "q_prj"])
     with pytest.raises(ValueError, match="lora_rank=-1 must be at least 0"):
         model_sizes(_tiny_llama(), lora_rank=-1)
+
+
+def _qwen25(shape: str) -> transformers.Qwen2Config:
+    return transformers.Qwen2Config(vocab_size=152064, tie_word_embeddings=False, **QWEN25[shape][0])
+
+
+def _plan_json(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    capsys.readouterr()
+    main(["plan", str(path), "--dtype", "bfloat16", "--json", *args])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_seq_len_changes_the_prediction_as_the_step_shape_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _qwen25("7b").save_pretrained(tmp_path)
+    short = _plan_json(tmp_path, capsys, "--seq-len", "1024")
+    long = _plan_json(tmp_path, capsys, "--seq-len", "16384")
+    # The same tokens per micro-batch as batches: seq-len x batch-size is what counts.
+    assert _plan_json(tmp_path, capsys, "--seq-len", "4096", "--batch-size", "4") == long
+    assert long["tokens"] == 16384 and not long["offload_activations"] and long["loss_chunk_tokens"] is None
+
+    def activations(tokens: int) -> int:
+        return StepShape.for_config(_qwen25("7b"), tokens, num_layers=28, activation_bytes=2).activation_peak()
+
+    # Only the activations depend on the tokens: blocks, slots, head and adapters stay.
+    assert long["predicted_peak_bytes"] - short["predicted_peak_bytes"] == activations(16384) - activations(1024)
+    assert long["slot_bytes"] == short["slot_bytes"] and long["num_slots"] == short["num_slots"] == 3
+
+
+def test_offload_lowers_the_peak_by_the_inputs_it_moves_to_the_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _qwen25("7b").save_pretrained(tmp_path)
+    kept = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--offload-activations", "off")
+    moved = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--offload-activations", "on")
+    assert (kept["offload_activations"], moved["offload_activations"]) == (False, True)
+    # One layer's input: tokens x hidden x 2 bytes (bf16); 3 stay on the device (in use, coming back, going out).
+    input_bytes = 16384 * 3584 * 2
+    lowered = kept["predicted_peak_bytes"] - moved["predicted_peak_bytes"]
+    # x 1.02: the allocator's rounding the memory model adds to the activations (planning/memory.py).
+    assert abs(lowered - (28 - 3) * input_bytes * 1.02) <= 1
+    # Every layer's input waits in pinned host memory, next to the arena.
+    assert (kept["offload_host_bytes"], moved["offload_host_bytes"]) == (0, 28 * 16384 * 3584 * 2)
+    assert moved["host_pinned_bytes"] == moved["host_arena_bytes"] + 28 * 16384 * 3584 * 2
+    assert kept["host_pinned_bytes"] == kept["host_arena_bytes"]
+
+
+def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
+    seven = model_sizes(_qwen25("7b"), dtype=torch.bfloat16, lora_rank=16)
+    card = 24 * 2**30
+    # Control arm: at 2048 tokens the plain step fits; neither offload nor the chunked loss.
+    plain = recommend(seven, card, tokens=2048)
+    assert plain.plan is not None and not plain.offload_activations and plain.loss_chunk_tokens is None
+    assert plain.offload_host_bytes == 0
+
+    # At 16384 tokens Hugging Face's loss alone holds 16384 x 152064 x 12 B = 29.9 GB of logits: neither the
+    # plain step nor offload fits the 19.5 GiB budget. The chunked loss (1024 rows) brings every block streamed
+    # to 11.2 GB, so offload is not needed on top of it, and every block fits resident.
+    advice = recommend(seven, card, tokens=16384)
+    assert advice.budget == int(19.5 * 2**30 / (2**30 // 10)) * (2**30 // 10)
+    for offload in (False, True):
+        assert seven.residency(16384, 1, 2, offload_inputs=offload).minimum > advice.budget
+    assert (advice.offload_activations, advice.loss_chunk_tokens, advice.offload_host_bytes) == (False, 1024, 0)
+    assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 28
+    assert advice.minimum == seven.residency(16384, loss_chunk_tokens=1024).minimum
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 14.21
+
+    # Offload alone is enough where the saved inputs, not the logits, tip it over: 32B at 8192 tokens.
+    thirty_two = model_sizes(_qwen25("32b"), dtype=torch.bfloat16, lora_rank=16)
+    advice = recommend(thirty_two, card, tokens=8192)
+    assert (advice.offload_activations, advice.loss_chunk_tokens) == (True, None) and advice.plan is not None
+    assert advice.offload_host_bytes == 64 * 8192 * 5120 * 2
+    # Both where the chunked loss alone is not enough: 32B at 16384 tokens.
+    assert seven.residency(16384, 1, 2, loss_chunk_tokens=1024).minimum < advice.budget  # (the 7B's did fit)
+    assert thirty_two.residency(16384, 1, 2, loss_chunk_tokens=1024).minimum > advice.budget
+    advice = recommend(thirty_two, card, tokens=16384)
+    assert (advice.offload_activations, advice.loss_chunk_tokens) == (True, 1024) and advice.plan is not None
+
+
+def test_recommendation_keeps_the_options_the_user_gave() -> None:
+    seven = model_sizes(_qwen25("7b"), dtype=torch.bfloat16, lora_rank=16)
+    # Offload forced off (or on) is never switched; the chunked loss is still suggested when it is needed.
+    assert not recommend(seven, 16 * 2**30, tokens=32768, offload=False).offload_activations
+    forced = recommend(seven, 24 * 2**30, tokens=2048, offload=True)
+    assert forced.offload_activations and forced.loss_chunk_tokens is None
+    # A chunk the module already uses is kept; nothing fits 32k tokens on 16 GiB, and the minimum says so.
+    advice = recommend(seven, 16 * 2**30, tokens=32768, loss_chunk_tokens=512)
+    assert advice.plan is None and (advice.offload_activations, advice.loss_chunk_tokens) == (True, 512)
+    assert advice.minimum == seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum
+
+
+def test_plan_json_and_table_carry_the_long_context_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _qwen25("32b").save_pretrained(tmp_path)
+    report = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--gpu-memory", "24GiB")
+    # Automatic offload plans for the card (as the strategy does without a budget): too big without it.
+    assert report["offload_activations_option"] == "auto" and report["offload_activations"]
+    assert report["offload_host_bytes"] == 64 * 16384 * 5120 * 2
+    advice = report["recommendation"]
+    assert advice["fits"] and advice["offload_activations"] and advice["loss_chunk_tokens"] == 1024
+    assert advice["offload_host_bytes"] == 64 * 16384 * 5120 * 2
+    assert advice["host_pinned_bytes"] == report["host_arena_bytes"] + advice["offload_host_bytes"]
+    assert advice["strategy_settings"] == {"vram_budget": "19.5GiB", "block_size": 2, "offload_activations": True}
+    assert advice["model_settings"] == {"loss_chunk_tokens": 1024}
+
+    chunked = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--loss-chunk-tokens", "1024")
+    assert chunked["loss_chunk_tokens"] == 1024 and not chunked["offload_activations"]
+    assert chunked["predicted_peak_bytes"] < report["predicted_peak_bytes"]
+
+    monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table
+    main(["plan", str(tmp_path), "--seq-len", "16384", "--gpu-memory", "24GiB"])
+    out = capsys.readouterr().out
+    assert "vram_budget: 19.5GiB, block_size: 2, offload_activations: true: predicted peak" in out
+    assert "use chunked_causal_lm_loss(..., chunk_tokens=1024) / CausalLMFineTune(loss_chunk_tokens=1024)" in out
+    assert "offloaded to pinned host memory (offload_activations: auto" in out
+    assert re.search(rf"host RAM, offloaded layer inputs\W+{64 * 16384 * 5120 * 2 / 1e9:.2f} GB pinned", out)
