@@ -36,12 +36,13 @@ class TiledMLP:
         self._forward = type(mlp).forward
 
     def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        """The MLP of ``hidden`` (``..., tokens, hidden``), tile by tile along the tokens."""
-        if hidden.dim() < 2 or hidden.shape[-2] <= self.tile_tokens:
+        """The MLP of ``hidden`` (``..., tokens, hidden``), ``tile_tokens`` tokens (over all rows) at a time."""
+        tokens = hidden.shape[:-1].numel()
+        if hidden.dim() < 2 or tokens <= self.tile_tokens:
             return self._forward(self.mlp, hidden, *args, **kwargs)
-        tiles = hidden.split(self.tile_tokens, dim=-2)
-        outputs = [self._tile(tile, *args, **kwargs) for tile in tiles]
-        return torch.cat(outputs, dim=-2)
+        rows = hidden.reshape(tokens, hidden.shape[-1])
+        outputs = [self._tile(tile, *args, **kwargs) for tile in rows.split(self.tile_tokens)]
+        return torch.cat(outputs).reshape(*hidden.shape[:-1], -1)
 
     def _tile(self, tile: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if not torch.is_grad_enabled():
