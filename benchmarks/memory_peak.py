@@ -1,0 +1,111 @@
+"""What is alive at a training step's peak: the live allocations, grouped by where they were made.
+
+Records the caching allocator's history (`torch.cuda.memory._record_memory_history`) over one
+step after a warm-up step of a `benchmarks.long_context` arm, replays the allocations and frees to
+find the step's peak, and prints the live bytes at that moment by the innermost frame of this
+package, transformers, PEFT, bitsandbytes or torch.utils.checkpoint that made them (memory
+allocated before the step, e.g. the head, adapters and optimizer state, is one line).
+
+    python -m benchmarks.memory_peak --shape 7b --seq 16384 --arm blockwise+offload+chunked
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import DataLoader
+
+from benchmarks.long_context import CHUNK, TILE, LongModule, _random_model
+from benchmarks.step_benchmark import SHAPES, TARGETS
+from lightning_blockwise import BlockwiseStrategy
+
+_PLACES = ("lightning_blockwise", "transformers", "peft", "bitsandbytes", "torch/utils/checkpoint")
+
+
+class Recorder(pl.Callback):
+    """Records the allocator's history over the training step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.snapshot: dict[str, Any] | None = None
+        self.before = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx == self.step:
+            torch.cuda.synchronize()
+            self.before = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if args[-1] == self.step:
+            torch.cuda.synchronize()
+            self.snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _place(frames: list[dict[str, Any]]) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(place in name for place in _PLACES):
+            short = name.split("site-packages/")[-1].split("/work/main/")[-1]
+            return f"{short}:{frame.get('line')} {frame.get('name')}"
+    return "other"
+
+
+def peak_breakdown(snapshot: dict[str, Any], before: int) -> tuple[int, Counter[str]]:
+    """The peak bytes of the recorded span and the live bytes at it by place."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = before
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][0]:
+        action, addr, size = event["action"], event["addr"], event["size"]
+        if action == "alloc":
+            live[addr] = (size, _place(event.get("frames", [])))
+            total += size
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and addr in live:
+            total -= live.pop(addr)[0]
+    places: Counter[str] = Counter({"allocated before the step": before})
+    for size, place in at_peak.values():
+        places[place] += size
+    return peak, places
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--arm", default="blockwise+offload+chunked")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    parts = args.arm.split("+")
+    torch.manual_seed(0)
+    config = SHAPES[args.shape]()
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
+    model = get_peft_model(_random_model(config, torch.device("cuda")), lora)
+    tokens = torch.randint(0, config.vocab_size, (2, 1, args.seq))
+    recorder = Recorder(step=1)
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=BlockwiseStrategy(offload_activations="offload" in parts),
+        precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[recorder],
+    )  # fmt: skip
+    module = LongModule(model, CHUNK if "chunked" in parts else None, TILE if "tiled" in parts else None)
+    trainer.fit(module, DataLoader([{"input_ids": t, "labels": t} for t in tokens], batch_size=None))
+    assert recorder.snapshot is not None
+    peak, places = peak_breakdown(recorder.snapshot, recorder.before)
+    print(json.dumps({"shape": args.shape, "seq": args.seq, "arm": args.arm, "replayed_peak_gb": peak / 1e9,
+                      "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}))  # fmt: skip
+    for place, size in places.most_common(args.top):
+        print(f"{size / 1e9:8.3f} GB  {place}")
+
+
+if __name__ == "__main__":
+    main()
