@@ -2,9 +2,9 @@
 
 Records the caching allocator's history (`torch.cuda.memory._record_memory_history`) over one
 step after a warm-up step of a `benchmarks.long_context` arm, replays the allocations and frees to
-find the step's peak, and prints the live bytes at that moment by the innermost frame of this
-package, transformers, PEFT, bitsandbytes or torch.utils.checkpoint that made them (memory
-allocated before the step, e.g. the head, adapters and optimizer state, is one line).
+find the step's peak, and prints the live bytes at that moment by block size, named after the
+tensor shapes of that size (tokens x intermediate, chunk x vocab, ...); memory allocated before
+the step (the head, adapters, optimizer state) is one line.
 
     python -m benchmarks.memory_peak --shape 7b --seq 16384 --arm blockwise+offload+chunked
 """
@@ -25,8 +25,6 @@ from benchmarks.long_context import CHUNK, TILE, LongModule, _random_model
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
 
-_PLACES = ("lightning_blockwise", "transformers", "peft", "bitsandbytes", "torch/utils/checkpoint")
-
 
 class Recorder(pl.Callback):
     """Records the allocator's history over the training step ``step``."""
@@ -40,7 +38,9 @@ class Recorder(pl.Callback):
         if idx == self.step:
             torch.cuda.synchronize()
             self.before = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            # No stack frames: capturing Python stacks fails inside checkpoint recomputes (torch 2.11,
+            # "cross_entropy_loss returned NULL"), so live blocks are told apart by their sizes.
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if args[-1] == self.step:
@@ -49,16 +49,15 @@ class Recorder(pl.Callback):
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def _place(frames: list[dict[str, Any]]) -> str:
-    for frame in frames:
-        name = frame.get("filename", "")
-        if any(place in name for place in _PLACES):
-            short = name.split("site-packages/")[-1].split("/work/main/")[-1]
-            return f"{short}:{frame.get('line')} {frame.get('name')}"
-    return "other"
+def _place(size: int, shapes: dict[int, str]) -> str:
+    # The allocator rounds up to 512 B (and large blocks to 2 MiB): match within that.
+    for nbytes, name in shapes.items():
+        if nbytes <= size < nbytes + 2 * 2**20:
+            return name
+    return "other sizes"
 
 
-def peak_breakdown(snapshot: dict[str, Any], before: int) -> tuple[int, Counter[str]]:
+def peak_breakdown(snapshot: dict[str, Any], before: int, shapes: dict[int, str]) -> tuple[int, Counter[str]]:
     """The peak bytes of the recorded span and the live bytes at it by place."""
     live: dict[int, tuple[int, str]] = {}
     total = peak = before
@@ -66,7 +65,7 @@ def peak_breakdown(snapshot: dict[str, Any], before: int) -> tuple[int, Counter[
     for event in snapshot["device_traces"][0]:
         action, addr, size = event["action"], event["addr"], event["size"]
         if action == "alloc":
-            live[addr] = (size, _place(event.get("frames", [])))
+            live[addr] = (size, _place(size, shapes))
             total += size
             if total > peak:
                 peak, at_peak = total, dict(live)
@@ -100,7 +99,16 @@ def main() -> None:
     module = LongModule(model, CHUNK if "chunked" in parts else None, TILE if "tiled" in parts else None)
     trainer.fit(module, DataLoader([{"input_ids": t, "labels": t} for t in tokens], batch_size=None))
     assert recorder.snapshot is not None
-    peak, places = peak_breakdown(recorder.snapshot, recorder.before)
+    n, h, i, v = args.seq, config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes = {
+        n * i * 4: "tokens x intermediate, fp32", n * i * 2: "tokens x intermediate, bf16",
+        n * h * 4: "tokens x hidden, fp32", n * h * 2: "tokens x hidden, bf16",
+        CHUNK * v * 4: "chunk x vocab, fp32", CHUNK * v * 2: "chunk x vocab, bf16",
+        h * i * 2: "hidden x intermediate, bf16 (a dequantized weight)", h * h * 2: "hidden x hidden, bf16",
+        n * 16 * 4: "tokens x rank, fp32", n * 16 * 2: "tokens x rank, bf16",
+    }  # fmt: skip
+    peak, places = peak_breakdown(recorder.snapshot, recorder.before, shapes)
+    # A block of the same size as another shape is labelled with the first match, in the order above.
     print(json.dumps({"shape": args.shape, "seq": args.seq, "arm": args.arm, "replayed_peak_gb": peak / 1e9,
                       "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}))  # fmt: skip
     for place, size in places.most_common(args.top):
