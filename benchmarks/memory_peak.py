@@ -35,6 +35,9 @@ class Recorder(pl.Callback):
         self.before = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        torch.cuda.synchronize()
+        print(f"step {idx}: allocated {torch.cuda.memory_allocated() / 1e9:.3f} GB at its start", flush=True)
+        torch.cuda.reset_peak_memory_stats()
         if idx == self.step:
             torch.cuda.synchronize()
             self.before = torch.cuda.memory_allocated()
@@ -43,6 +46,8 @@ class Recorder(pl.Callback):
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        torch.cuda.synchronize()
+        print(f"step {args[-1]}: peak allocated {torch.cuda.max_memory_allocated() / 1e9:.3f} GB", flush=True)
         if args[-1] == self.step:
             torch.cuda.synchronize()
             self.snapshot = torch.cuda.memory._snapshot()
@@ -83,18 +88,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--arm", default="blockwise+offload+chunked")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--step", type=int, default=1, help="the step recorded (after `step` others)")
     args = parser.parse_args()
     parts = args.arm.split("+")
     torch.manual_seed(0)
     config = SHAPES[args.shape]()
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
     model = get_peft_model(_random_model(config, torch.device("cuda")), lora)
-    tokens = torch.randint(0, config.vocab_size, (2, 1, args.seq))
-    recorder = Recorder(step=1)
+    tokens = torch.randint(0, config.vocab_size, (args.step + 1, 1, args.seq))
+    recorder = Recorder(step=args.step)
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=BlockwiseStrategy(offload_activations="offload" in parts),
-        precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[recorder],
+        precision="bf16-mixed", max_steps=args.step + 1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
     )  # fmt: skip
     module = LongModule(model, CHUNK if "chunked" in parts else None, TILE if "tiled" in parts else None)
     trainer.fit(module, DataLoader([{"input_ids": t, "labels": t} for t in tokens], batch_size=None))
