@@ -36,7 +36,7 @@ def main() -> None:
                 for r in rows
                 if r.get("shape", "72b") == shape
                 and r.get("arm", "blockwise+offload+chunked+tiled") == arm
-                and "chunk 4096" not in r["run"]
+                and r.get("chunk_tokens", 1024) == 1024
             )
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o", label=label, color=f"C{color}")
