@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
 
 #: Tokens per micro-batch planned for when neither the strategy nor the data module says.
@@ -82,6 +83,52 @@ class StepBudget:
     loss_chunk_tokens: int | None
     mlp_tile_tokens: int | None
     device_limit: int | None
+
+    @classmethod
+    def for_module(
+        cls,
+        module: nn.Module,
+        model: nn.Module,
+        block_bytes: Sequence[int],
+        device: torch.device,
+        prefetch_depth: int,
+        budget: int | None,
+        offload: bool | None,
+    ) -> StepBudget:
+        """The budget of a module set up on ``device``: what is there now, what the module declares.
+
+        Device bytes are counted once per storage. The module declares a chunked loss and tiled
+        MLPs with positive integer attributes ``loss_chunk_tokens`` and ``mlp_tile_tokens``
+        (NOTE [ Chunked loss ] in loss.py, NOTE [ Tiled MLP ] in tiling.py).
+
+        Args:
+            module: The LightningModule, its rest moved to ``device``.
+            model: The Hugging Face model inside it.
+            block_bytes: Each block's slab size.
+            device: The compute device.
+            prefetch_depth: Blocks copied ahead of the one in use.
+            budget: The ``vram_budget`` in bytes, or ``None``.
+            offload: The ``offload_activations`` option.
+        """
+        on_device = {}
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.device == device:
+                on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        head = model.get_output_embeddings()
+        return cls(
+            config=model.config,
+            num_layers=len(find_decoder_stack(model, allow_unvalidated=True).layers),
+            activation_bytes=head.weight.element_size() if head is not None else 2,
+            block_bytes=list(block_bytes),
+            prefetch_depth=prefetch_depth,
+            fixed_bytes=sum(on_device.values()),
+            trainable_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad),
+            budget=budget,
+            offload=offload,
+            loss_chunk_tokens=_declared_count(module, "loss_chunk_tokens"),
+            mlp_tile_tokens=_declared_count(module, "mlp_tile_tokens"),
+            device_limit=device_limit(device),
+        )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
         """The step shape at ``tokens`` tokens per micro-batch."""
@@ -182,6 +229,12 @@ def batch_tokens(batch: Any) -> int | None:
             if isinstance(item, Tensor) and not item.is_floating_point() and item.dim() >= 1:
                 return item.numel()
     return None
+
+
+def _declared_count(module: Any, name: str) -> int | None:
+    """A positive integer the module declares for the planner, else ``None``."""
+    value = getattr(module, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def reference_headroom(device: torch.device, budget: int | None, predicted_peak: int) -> int | None:

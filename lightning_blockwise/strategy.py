@@ -43,7 +43,6 @@ from lightning_blockwise.step_budget import (
     StepPlan,
     batch_tokens,
     declared_tokens,
-    device_limit,
     reference_headroom,
 )
 from lightning_blockwise.streamed_stack import StreamedStack
@@ -227,7 +226,15 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._on_host = on_host
         if device.type == "cpu":
             self._repack_flags = disable_cpu_repack(self._stack.layers)
-        self._budget = self._step_budget()
+        self._budget = StepBudget.for_module(
+            self.lightning_module,
+            self._stack.model,
+            block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
+            device=device,
+            prefetch_depth=self.prefetch_depth,
+            budget=self.vram_budget,
+            offload=self.offload_activations,
+        )
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
         plan = self._plan_for(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
@@ -254,29 +261,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             assert self._budget is not None and self.step_plan is not None
             rank_zero_info(f"BlockwiseStrategy: longer batch: {self._budget.describe(self.step_plan)}.")
         return super().training_step(*args, **kwargs)
-
-    def _step_budget(self) -> StepBudget:
-        assert self._stack is not None and self._host_copy is not None
-        on_device = {}
-        for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
-            if tensor.device == self.root_device:
-                on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        head = self._stack.model.get_output_embeddings()
-        trainable = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
-        return StepBudget(
-            config=self._stack.model.config,
-            num_layers=len(self._stack.layers),
-            activation_bytes=head.weight.element_size() if head is not None else 2,
-            block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
-            prefetch_depth=self.prefetch_depth,
-            fixed_bytes=sum(on_device.values()),
-            trainable_bytes=trainable,
-            budget=self.vram_budget,
-            offload=self.offload_activations,
-            loss_chunk_tokens=_declared_count(self.lightning_module, "loss_chunk_tokens"),
-            mlp_tile_tokens=_declared_count(self.lightning_module, "mlp_tile_tokens"),
-            device_limit=device_limit(self.root_device),
-        )
 
     def _plan_for(self, tokens: int) -> StepPlan:
         assert self._budget is not None
@@ -475,12 +459,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
                 cls,
                 description="Frozen decoder layers rematerialized and streamed block by block (lightning-blockwise)",
             )
-
-
-def _declared_count(module: Any, name: str) -> int | None:
-    """A positive integer the module declares for the planner (``loss_chunk_tokens``, ``mlp_tile_tokens``)."""
-    value = getattr(module, name, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _is_local(path: str | Path) -> bool:

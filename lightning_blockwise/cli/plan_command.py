@@ -8,6 +8,7 @@ Example::
 
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --gpu-memory 24GiB --json
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
+    lightning-blockwise plan /models/Qwen2.5-72B --seq-len 32768 --loss-chunk-tokens 1024 --mlp-tile-tokens 4096
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from typing_extensions import override
 
 from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.planning import format_gb, parse_bytes
-from lightning_blockwise.planning.sizing import CUDA_CONTEXT_RESERVE, Recommendation, model_sizes, recommend
+from lightning_blockwise.planning.sizing import (
+    CUDA_CONTEXT_RESERVE,
+    RECOMMENDED_MLP_TILE_TOKENS,
+    Recommendation,
+    model_sizes,
+    recommend,
+)
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
 PLAN_COMMAND = "plan"
@@ -60,6 +67,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             gpu_memory=options.gpu_memory,
             offload_activations=_OFFLOAD_CHOICES[options.offload_activations],
             loss_chunk_tokens=options.loss_chunk_tokens,
+            mlp_tile_tokens=options.mlp_tile_tokens,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -83,6 +91,7 @@ def plan_report(
     gpu_memory: int | None = None,
     offload_activations: bool | None = None,
     loss_chunk_tokens: int | None = None,
+    mlp_tile_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -96,12 +105,15 @@ def plan_report(
         block_size: Decoder layers per block.
         prefetch_depth: Blocks copied ahead of the one in use.
         vram_budget: The ``vram_budget`` to plan for, in bytes.
-        gpu_memory: A card's memory, in bytes, to recommend a budget, block size, offload and loss for. Without a
-            ``vram_budget``, automatic offload also plans for it (as the strategy does for the card it runs on).
+        gpu_memory: A card's memory, in bytes, to recommend a budget, block size, offload, loss and MLP tiling for.
+            Without a ``vram_budget``, automatic offload also plans for it (as the strategy does for the card it runs
+            on).
         offload_activations: The strategy's ``offload_activations``: ``None`` turns offload on when the step does
             not fit (the budget, else the card) without it.
         loss_chunk_tokens: Rows of logits the module's loss builds at a time
             (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
+        mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (:func:`~lightning_blockwise.tiling.tile_mlps`);
+            ``None``: untiled.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
@@ -127,18 +139,20 @@ def plan_report(
     # Without a budget, the strategy decides automatic offload against the card it runs on (`device_limit`).
     card_limit = None if gpu_memory is None else gpu_memory - CUDA_CONTEXT_RESERVE
     step_budget = sizes.step_budget(
-        block_size, prefetch_depth, vram_budget, offload_activations, loss_chunk_tokens, device_limit=card_limit
+        block_size,
+        prefetch_depth,
+        vram_budget,
+        offload_activations,
+        loss_chunk_tokens,
+        mlp_tile_tokens,
+        device_limit=card_limit,
     )
     try:
         step = step_budget.plan(tokens)
     except ValueError as error:
-        chunked = (
-            ""
-            if loss_chunk_tokens is not None
-            else f" Or plan for the chunked loss (--loss-chunk-tokens {DEFAULT_CHUNK_TOKENS}), which never holds every"
-            " token's logits."
-        )
-        raise MisconfigurationException(f"--vram-budget: {error}{chunked}") from None
+        raise MisconfigurationException(
+            f"--vram-budget: {error}{_smaller_step_hint(loss_chunk_tokens, mlp_tile_tokens)}"
+        ) from None
     offload_host_bytes = step.offload_host_bytes
     report: dict[str, Any] = {
         "model_type": sizes.model_type,
@@ -156,13 +170,31 @@ def plan_report(
         "offload_activations_option": _option_name(offload_activations),
         "offload_activations": step.offload,
         "loss_chunk_tokens": loss_chunk_tokens,
+        "mlp_tile_tokens": mlp_tile_tokens,
         "offload_host_bytes": offload_host_bytes,
         "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,
     }
     if gpu_memory is not None:
-        advice = recommend(sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens)
+        advice = recommend(
+            sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens
+        )
         report["recommendation"] = _recommendation_fields(advice, sizes.host_bytes(advice.block_size))
     return report
+
+
+def _smaller_step_hint(loss_chunk_tokens: int | None, mlp_tile_tokens: int | None) -> str:
+    """Where a budget is too small: the module's options that would make the step smaller, not given yet."""
+    if loss_chunk_tokens is None:
+        return (
+            f" Or plan for the chunked loss (--loss-chunk-tokens {DEFAULT_CHUNK_TOKENS}), which never holds every"
+            " token's logits."
+        )
+    if mlp_tile_tokens is None:
+        return (
+            f" Or plan for tiled MLPs (--mlp-tile-tokens {RECOMMENDED_MLP_TILE_TOKENS}), which run each layer's MLP"
+            " a tile of tokens at a time."
+        )
+    return ""
 
 
 def _option_name(offload_activations: bool | None) -> str:
@@ -175,6 +207,8 @@ def _recommendation_fields(advice: Recommendation, host_arena_bytes: int) -> dic
     strategy = {"vram_budget": budget_text, "block_size": advice.block_size}
     if advice.offload_activations:
         strategy["offload_activations"] = True
+    module_options = {"loss_chunk_tokens": advice.loss_chunk_tokens, "mlp_tile_tokens": advice.mlp_tile_tokens}
+    model = {name: value for name, value in module_options.items() if value is not None}
     return {
         "gpu_memory": advice.gpu_memory,
         "fits": advice.plan is not None,
@@ -185,11 +219,12 @@ def _recommendation_fields(advice: Recommendation, host_arena_bytes: int) -> dic
         **(_plan_fields(advice.plan) if advice.plan is not None else {}),
         "offload_activations": advice.offload_activations,
         "loss_chunk_tokens": advice.loss_chunk_tokens,
+        "mlp_tile_tokens": advice.mlp_tile_tokens,
         "offload_host_bytes": advice.offload_host_bytes,
         "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes,
         # `trainer.strategy.init_args` and `model.init_args` of a config (configs/*.yaml).
         "strategy_settings": strategy,
-        "model_settings": {} if advice.loss_chunk_tokens is None else {"loss_chunk_tokens": advice.loss_chunk_tokens},
+        "model_settings": model,
     }
 
 
@@ -264,7 +299,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         type=_memory_size,
         default=None,
-        help="A card's memory, e.g. 24GiB: recommend budget, block size, offload and loss (default: none).",
+        help="A card's memory, e.g. 24GiB: recommend budget, block size, offload, loss and MLP tiling (default: none).",
     )
     parser.add_argument(
         "--offload-activations",
@@ -279,6 +314,13 @@ def _plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="Rows of logits the module's loss builds at a time (chunked_causal_lm_loss, a module's"
         " loss_chunk_tokens; default: none, Hugging Face's loss, all rows at once).",
+    )
+    parser.add_argument(
+        "--mlp-tile-tokens",
+        type=_positive_int,
+        default=None,
+        help="Tokens per tile of the decoder layers' MLPs (tile_mlps, a module's mlp_tile_tokens; default: none,"
+        " each MLP on all tokens at once).",
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
     return parser
@@ -306,6 +348,7 @@ def _print_report(report: dict[str, Any]) -> None:
         ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
         ("layer inputs", _inputs_text(report)),
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
+        ("MLP", _mlp_text(report["mlp_tile_tokens"], report["tokens"])),
         ("host RAM, pinned arena", format_gb(report["host_arena_bytes"])),
         ("host RAM, offloaded layer inputs", format_gb(report["offload_host_bytes"]) + " pinned"),
         ("host RAM, pinned in all", format_gb(report["host_pinned_bytes"])),
@@ -363,16 +406,24 @@ def _loss_text(loss_chunk_tokens: int | None, tokens: int) -> str:
     return f"chunked: {loss_chunk_tokens} rows of logits at a time"
 
 
+def _mlp_text(mlp_tile_tokens: int | None, tokens: int) -> str:
+    if mlp_tile_tokens is None:
+        return f"untiled: each layer's MLP on all {tokens} tokens at once"
+    return f"tiled: each layer's MLP on {mlp_tile_tokens} tokens at a time"
+
+
 def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows of a card's recommendation: settings to copy, what they predict, what they cost on the host."""
     card = f"on a {advice['gpu_memory'] / 2**30:g} GiB card"
     chunk = advice["loss_chunk_tokens"]
+    tile = advice["mlp_tile_tokens"]
     if not advice["fits"]:
         tried = [
             "offload_activations: true" if advice["offload_activations"] else "",
             "" if chunk is None else f"a loss of {chunk}-row chunks",
+            "" if tile is None else f"MLPs tiled by {tile} tokens",
         ]
-        even = " and ".join(filter(None, tried))
+        even = _and(list(filter(None, tried)))
         return [
             (
                 card,
@@ -411,7 +462,25 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
                 + why,
             )
         )
+    if tile is not None:
+        # Why, as for the loss, only where the recommendation chose the tiling: it is the last resort, it costs time.
+        why = (
+            ": nothing untiled fits; each MLP's forward runs again per tile (slower steps)"
+            if report["mlp_tile_tokens"] is None
+            else ""
+        )
+        rows.append(
+            (
+                f"{card}, MLP",
+                f"use tile_mlps(model, {tile}) / CausalLMFineTune(mlp_tile_tokens={tile})" + why,
+            )
+        )
     return rows
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(items[:-1]), *items[-1:]]))
 
 
 def _yaml(value: Any) -> str:

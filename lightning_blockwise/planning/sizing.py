@@ -84,13 +84,20 @@ class ModelSizes:
         """The pinned host arena for ``block_size``: every block's slab, each starting aligned (``arena.nbytes``)."""
         return slab_offsets(self.block_bytes(block_size))[-1]
 
-    def shape(self, tokens: int, offload_inputs: bool = False, loss_chunk_tokens: int | None = None) -> StepShape:
+    def shape(
+        self,
+        tokens: int,
+        offload_inputs: bool = False,
+        loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
+    ) -> StepShape:
         """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
 
         Args:
             tokens: Tokens per micro-batch (batch size x sequence length).
             offload_inputs: Layer inputs wait for the backward in host memory.
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
+            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
         """
         return StepShape.for_config(
             self.config,
@@ -99,6 +106,7 @@ class ModelSizes:
             self.activation_bytes,
             offload_inputs=offload_inputs,
             loss_chunk_tokens=loss_chunk_tokens,
+            mlp_tile_tokens=mlp_tile_tokens,
         )
 
     def step_budget(
@@ -108,6 +116,7 @@ class ModelSizes:
         budget: int | None = None,
         offload: bool | None = None,
         loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
         device_limit: int | None = None,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
@@ -121,6 +130,7 @@ class ModelSizes:
             offload: ``offload_activations``: force layer-input offload on or off; ``None`` turns it on
                 when the step does not fit (the budget, else ``device_limit``) without it.
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
+            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
             device_limit: Without a budget, the device bytes beyond which automatic offload turns on.
 
         Raises:
@@ -138,7 +148,7 @@ class ModelSizes:
             budget=budget,
             offload=offload,
             loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=None,
+            mlp_tile_tokens=mlp_tile_tokens,
             device_limit=device_limit,
         )
 
@@ -150,6 +160,7 @@ class ModelSizes:
         budget: int | None = None,
         offload_inputs: bool = False,
         loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
     ) -> ResidencyPlan:
         """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
 
@@ -160,11 +171,14 @@ class ModelSizes:
             budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
             offload_inputs: Layer inputs wait for the backward in host memory (``offload_activations=True``).
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
+            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
 
         Raises:
             ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
         """
-        budgeted = self.step_budget(block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens)
+        budgeted = self.step_budget(
+            block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens
+        )
         return budgeted.plan(tokens).residency
 
 
@@ -295,6 +309,9 @@ BUDGET_FRACTION = 0.85
 #: fewer, larger copies made it 6-15% faster per step on the H100 (``benchmarks/RESULTS.md``).
 _BLOCK_SIZE_2_TOLERANCE = 1.10
 _BUDGET_STEP = 2**30 // 10
+#: The MLP tile recommended where nothing else fits: :func:`~lightning_blockwise.tiling.tile_mlps`' default, the
+#: tile measured in ``benchmarks/RESULTS.md`` ("Long context").
+RECOMMENDED_MLP_TILE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -311,6 +328,8 @@ class Recommendation:
         offload_activations: The ``offload_activations`` to set: layer inputs wait for the backward in host memory.
         loss_chunk_tokens: Rows of logits the module's loss should build at a time
             (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
+        mlp_tile_tokens: Tokens per tile the module's MLPs should run in
+            (:func:`~lightning_blockwise.tiling.tile_mlps`); ``None``: untiled.
         offload_host_bytes: Host bytes the offloaded layer inputs take (0 with offload off).
     """
 
@@ -321,6 +340,7 @@ class Recommendation:
     minimum: int
     offload_activations: bool = False
     loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
     offload_host_bytes: int = 0
 
 
@@ -331,8 +351,9 @@ def recommend(
     prefetch_depth: int = 2,
     offload: bool | None = None,
     loss_chunk_tokens: int | None = None,
+    mlp_tile_tokens: int | None = None,
 ) -> Recommendation:
-    """The ``vram_budget``, ``block_size``, offload and loss for a card of ``gpu_memory`` bytes.
+    """The ``vram_budget``, ``block_size``, offload, loss and MLP tiling for a card of ``gpu_memory`` bytes.
 
     The budget is the card less :data:`CUDA_CONTEXT_RESERVE`, times :data:`BUDGET_FRACTION`,
     rounded down to a tenth of a GiB.
@@ -343,7 +364,8 @@ def recommend(
     Only when even every block streamed does not fit is the step made smaller (NOTE [ Long-context
     options ]): the layer inputs offloaded to host memory (unless ``offload`` is ``False``), else the
     chunked loss at :data:`~lightning_blockwise.loss.DEFAULT_CHUNK_TOKENS` rows (unless
-    ``loss_chunk_tokens`` is given), without offload and then with it.
+    ``loss_chunk_tokens`` is given), without offload and then with it; last, with both, the MLPs tiled in
+    :data:`RECOMMENDED_MLP_TILE_TOKENS` tokens (unless ``mlp_tile_tokens`` is given).
 
     Args:
         sizes: The model's sizes.
@@ -353,6 +375,7 @@ def recommend(
         offload: ``offload_activations`` as the user set it; ``None``: chosen here.
         loss_chunk_tokens: The chunk of the module's chunked loss; ``None``: Hugging Face's loss, or the
             chunked loss where nothing else fits.
+        mlp_tile_tokens: The tile of the module's tiled MLPs; ``None``: untiled, or tiled where nothing else fits.
     """
     # Rounded down to a tenth of a GiB, so that it reads as the string to put in a config ("19.5GiB").
     budget = int((gpu_memory - CUDA_CONTEXT_RESERVE) * BUDGET_FRACTION / _BUDGET_STEP) * _BUDGET_STEP
@@ -363,12 +386,16 @@ def recommend(
     # offload is needed again only if the chunked loss alone does not fit (at 16k tokens a 7B
     # model's logits take 30 GB: the chunked loss, not offload, is what brings it under a card).
     # Offload is chosen as the strategy's `offload_activations=None` chooses it: only when the
-    # step does not fit without.
+    # step does not fit without. The tiled MLP comes last: it too is the module's and not bit-identical,
+    # and its forward runs again per tile (27-30% slower steps, benchmarks/RESULTS.md), so it is added only
+    # where offload and the chunked loss together still leave one layer's backward too big for the card.
     offloads = [False, True] if offload is None else [offload]
     chunks = [loss_chunk_tokens] if loss_chunk_tokens is not None else [None, DEFAULT_CHUNK_TOKENS]
-    options = [(flag, chunk) for chunk in chunks for flag in offloads]
-    for offload_inputs, chunk in options:
-        advice = _recommend_blocks(sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk)
+    options = [(flag, chunk, mlp_tile_tokens) for chunk in chunks for flag in offloads]
+    if mlp_tile_tokens is None:
+        options.append((offloads[-1], chunks[-1], RECOMMENDED_MLP_TILE_TOKENS))
+    for offload_inputs, chunk, tile in options:
+        advice = _recommend_blocks(sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile)
         if advice.plan is not None:
             return advice
     return advice
@@ -382,16 +409,21 @@ def _recommend_blocks(
     prefetch_depth: int,
     offload_inputs: bool,
     loss_chunk_tokens: int | None,
+    mlp_tile_tokens: int | None,
 ) -> Recommendation:
-    """:func:`recommend`'s choice of ``block_size`` for one setting of offload and loss."""
+    """:func:`recommend`'s choice of ``block_size`` for one setting of offload, loss and MLP tiling."""
 
     def residency(block_size: int, budget: int | None = None) -> ResidencyPlan:
-        return sizes.residency(tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens)
+        return sizes.residency(
+            tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens
+        )
 
+    shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens)
     options = {
         "offload_activations": offload_inputs,
         "loss_chunk_tokens": loss_chunk_tokens,
-        "offload_host_bytes": sizes.shape(tokens, offload_inputs, loss_chunk_tokens).offloaded_host_bytes(),
+        "mlp_tile_tokens": mlp_tile_tokens,
+        "offload_host_bytes": shape.offloaded_host_bytes(),
     }
     minimum = residency(1).minimum
     streamed: dict[int, tuple[int, ResidencyPlan]] = {}

@@ -23,10 +23,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy import BlockwiseStrategy
+from lightning_blockwise.tiling import tile_mlps
 
 _LOADERS = ("auto", "standard", "blockwise")
 
@@ -68,6 +70,20 @@ class CausalLMFineTune(pl.LightningModule):
         random_init: Build the model from ``checkpoint``'s ``config.json`` with random weights instead of
             loading them (a real shape without its weights: smoke runs and memory checks); see
             :func:`~lightning_blockwise.recipes.random_init.random_nf4_model`. Seeded by ``seed_everything``.
+        loss_chunk_tokens: Train and validate on
+            :func:`~lightning_blockwise.loss.chunked_causal_lm_loss` with this many rows of logits at a time,
+            never the full-vocabulary logits (long context); ``None``: the model's own loss. It changes the
+            rounding, so it applies under every strategy (NOTE [ Chunked loss ] in loss.py).
+        mlp_tile_tokens: Run every decoder layer's MLP this many tokens at a time
+            (:func:`~lightning_blockwise.tiling.tile_mlps`; long context, slower per step); ``None``: untiled.
+            Like the chunked loss, it applies under every strategy (NOTE [ Tiled MLP ] in tiling.py).
+
+    Both long-context options are also the attributes ``loss_chunk_tokens`` and ``mlp_tile_tokens``,
+    which :class:`BlockwiseStrategy`'s planner reads.
+
+    Raises:
+        MisconfigurationException: If ``loader`` is not one of its choices, or ``loss_chunk_tokens`` or
+            ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1.
 
     Example::
 
@@ -92,13 +108,20 @@ class CausalLMFineTune(pl.LightningModule):
         loader: str = "auto",
         random_init: bool = False,
         overwrite_adapter: bool = False,
+        loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
             raise MisconfigurationException(
                 f"CausalLMFineTune(loader={loader!r}): choose one of {', '.join(map(repr, _LOADERS))}."
             )
+        _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
+        _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
         self.save_hyperparameters()
+        # Read by `BlockwiseStrategy`'s planner (the module declares what its step builds).
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.mlp_tile_tokens = mlp_tile_tokens
         self.model: PeftModel | None = None
         # Checkpoints hold only the adapters (`BlockwiseStrategy`'s lean checkpoints, or `on_save_checkpoint` under
         # other strategies); the frozen base comes from `checkpoint`.
@@ -145,6 +168,9 @@ class CausalLMFineTune(pl.LightningModule):
             task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, lora)
+        if self.mlp_tile_tokens is not None:
+            # Under every strategy, so that blockwise and resident runs train the same function.
+            tile_mlps(self.model, self.mlp_tile_tokens)
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
         # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in
         # compat_bitsandbytes.py).
@@ -152,13 +178,13 @@ class CausalLMFineTune(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """The causal-LM loss of the batch (labels -100 where nothing is learned)."""
-        loss = self.model(**batch).loss
+        loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """The validation loss, averaged over the epoch."""
-        loss = self.model(**batch).loss
+        loss = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -199,10 +225,25 @@ class CausalLMFineTune(pl.LightningModule):
         written = export_adapter(self.model, self._adapter_dir(), overwrite=self.hparams.overwrite_adapter)
         rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
 
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        if self.loss_chunk_tokens is None:
+            return self.model(**batch).loss
+        return chunked_causal_lm_loss(self.model, chunk_tokens=self.loss_chunk_tokens, **batch).loss
+
     def _adapter_dir(self) -> Path:
         if self.hparams.adapter_dir:
             return Path(self.hparams.adapter_dir)
         return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
+
+
+def _check_count(name: str, value: int | None, example: str) -> None:
+    """Refuse a long-context option that is neither ``None`` nor an integer of at least 1."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise MisconfigurationException(
+        f"CausalLMFineTune({name}={value!r}) must be an integer of at least 1 (e.g. {example}), or None to"
+        " leave it off."
+    )
 
 
 def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:
