@@ -115,7 +115,7 @@ class ActivationOffload:
         """
         if slab_bytes <= self.slab_bytes:
             return
-        arena = HostArena([slab_bytes] * self.num_layers, pin=self.pin)
+        arena = self._arena(slab_bytes)
         if self._taken == 0:
             # Between steps (where the strategy re-plans): nothing reads the smaller slabs any more.
             if self._cuda:
@@ -151,6 +151,8 @@ class ActivationOffload:
         if self._cuda:
             assert self._to_host is not None
             self._to_host.wait_stream(torch.cuda.current_stream(self.device))
+            # A slab given back by a graph dropped mid-backward may still be read by its prefetch.
+            self._to_host.wait_stream(self._to_device)
             with torch.cuda.stream(self._to_host):
                 host.copy_(hidden, non_blocking=True)
                 saved._stored = torch.cuda.Event()
@@ -225,10 +227,18 @@ class ActivationOffload:
 
     def _grow(self) -> Tensor:
         """One more set of slabs, when more inputs are held at once than a step of ``num_layers`` saves."""
-        arena = HostArena([self.slab_bytes] * self.num_layers, pin=self.pin)
+        arena = self._arena(self.slab_bytes)
         self._arenas.append(arena)
         self._free.extend(arena.slabs[1:])
         return arena.slabs[0]
+
+    def _arena(self, slab_bytes: int) -> HostArena:
+        return HostArena(
+            [slab_bytes] * self.num_layers,
+            pin=self.pin,
+            purpose=f"the layer inputs offloaded between forward and backward ({self.num_layers} x {slab_bytes} bytes)",
+            fix="train on fewer tokens per micro-batch, or keep them on the GPU (`offload_activations=False`)",
+        )
 
     def _give(self, slab: Tensor) -> None:
         self._taken = max(0, self._taken - 1)

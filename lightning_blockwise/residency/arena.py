@@ -59,22 +59,30 @@ class HostArena:
     Args:
         sizes: Bytes of each block's slab, in block order (0 for a block that is not streamed).
         pin: Page-lock the arena for asynchronous copies to a CUDA device.
+        purpose: What the memory holds, for the error.
+        fix: How to need less of it, for the error.
 
     Raises:
         MisconfigurationException: If the arena does not fit the available host RAM, or
             page-locking is asked for without CUDA.
     """
 
-    def __init__(self, sizes: Sequence[int], pin: bool) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        pin: bool,
+        purpose: str = "the frozen decoder layers",
+        fix: str = "keep blocks on the GPU with `vram_budget`",
+    ) -> None:
         offsets = slab_offsets(sizes)
         self.nbytes = offsets[-1]
         self.bytes_needed = sum(sizes)
         available = available_host_memory()
         if self.nbytes > available - HOST_RAM_RESERVE:
             raise MisconfigurationException(
-                f"BlockwiseStrategy needs {self.nbytes / 1e9:.2f} GB of host RAM for the frozen decoder layers, but"
+                f"BlockwiseStrategy needs {self.nbytes / 1e9:.2f} GB of host RAM for {purpose}, but"
                 f" only {available / 1e9:.2f} GB are available (keeping {HOST_RAM_RESERVE / 1e9:.1f} GB in reserve)."
-                " Free host memory, use a machine with more RAM, or keep blocks on the GPU with `vram_budget`."
+                f" Free host memory, use a machine with more RAM, or {fix}."
             )
         if pin and not torch.cuda.is_available():
             raise MisconfigurationException(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_blockwise import BlockwiseStrategy
@@ -132,3 +133,10 @@ def test_a_non_contiguous_input_stays_on_the_device() -> None:
     handle = offload.save(x)
     assert offload.stats.kept_on_device == 1 and offload.stats.device_to_host_bytes == 0
     assert offload.load(handle) is x
+
+
+def test_offload_short_of_host_ram_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before allocating: the error says what the memory is for and how to need less."""
+    monkeypatch.setattr("lightning_blockwise.residency.arena.available_host_memory", lambda: 2 * 1024**3 + 100)
+    with pytest.raises(MisconfigurationException, match=r"layer inputs offloaded .*offload_activations=False"):
+        ActivationOffload(torch.device("cpu"), num_layers=4, slab_bytes=1000, pin=False)
