@@ -26,6 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_blockwise.architectures import find_decoder_stack
 
+#: Default tokens per MLP tile: at 72B (intermediate 29568) one tile's intermediates are ~0.24 GB each.
+DEFAULT_TILE_TOKENS = 4096
+
 
 class TiledMLP:
     """The forward installed on one MLP (an instance attribute; the class is untouched)."""
@@ -50,7 +53,7 @@ class TiledMLP:
         return checkpoint(self._forward, self.mlp, tile, *args, use_reentrant=False, **kwargs)
 
 
-def tile_mlps(model: nn.Module, tile_tokens: int = 4096) -> int:
+def tile_mlps(model: nn.Module, tile_tokens: int = DEFAULT_TILE_TOKENS) -> int:
     """Run every decoder layer's MLP ``tile_tokens`` tokens at a time (NOTE [ Tiled MLP ]).
 
     Call it where the module builds its model (``__init__`` or ``configure_model``), so that every
@@ -85,4 +88,4 @@ def untile(mlp: nn.Module) -> None:
         del mlp.forward
 
 
-__all__ = ["TiledMLP", "tile_mlps", "untile"]
+__all__ = ["DEFAULT_TILE_TOKENS", "TiledMLP", "tile_mlps", "untile"]

@@ -29,6 +29,7 @@ from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
 from lightning_blockwise.residency.arena import slab_offsets
 from lightning_blockwise.residency.layout import ALIGNMENT, frozen_tensors, tensor_offsets
 from lightning_blockwise.step_budget import StepBudget
+from lightning_blockwise.tiling import DEFAULT_TILE_TOKENS
 
 #: Bytes per trainable adapter element: PEFT keeps adapters in fp32 over a bf16 or 4-bit base.
 _ADAPTER_BYTES = 4
@@ -311,7 +312,7 @@ _BLOCK_SIZE_2_TOLERANCE = 1.10
 _BUDGET_STEP = 2**30 // 10
 #: The MLP tile recommended where nothing else fits: :func:`~lightning_blockwise.tiling.tile_mlps`' default, the
 #: tile measured in ``benchmarks/RESULTS.md`` ("Long context").
-RECOMMENDED_MLP_TILE_TOKENS = 4096
+RECOMMENDED_MLP_TILE_TOKENS = DEFAULT_TILE_TOKENS
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,8 @@ def test_sizes_are_a_dataclass_of_the_config() -> None:
         ("--prefetch-depth", "0", "argument --prefetch-depth: 0 must be at least 1"),
         ("--loss-chunk-tokens", "0", "argument --loss-chunk-tokens: 0 must be at least 1"),
         ("--loss-chunk-tokens", "1k", "argument --loss-chunk-tokens: '1k' is not a whole number"),
+        ("--mlp-tile-tokens", "0", "argument --mlp-tile-tokens: 0 must be at least 1"),
+        ("--mlp-tile-tokens", "4k", "argument --mlp-tile-tokens: '4k' is not a whole number"),
         ("--offload-activations", "yes", "argument --offload-activations: invalid choice: 'yes'"),
         ("--seq-len", "2k", "argument --seq-len: '2k' is not a whole number"),
         ("--vram-budget", "0GiB", "argument --vram-budget: The memory size '0GiB' must be positive"),
@@ -286,6 +288,7 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     # Control arm: at 2048 tokens the plain step fits; neither offload nor the chunked loss.
     plain = recommend(seven, card, tokens=2048)
     assert plain.plan is not None and not plain.offload_activations and plain.loss_chunk_tokens is None
+    assert plain.mlp_tile_tokens is None
     assert plain.offload_host_bytes == 0
 
     # At 16384 tokens Hugging Face's loss alone holds 16384 x 152064 x 12 B = 29.9 GB of logits: neither the
@@ -296,6 +299,7 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     for offload in (False, True):
         assert seven.residency(16384, 1, 2, offload_inputs=offload).minimum > advice.budget
     assert (advice.offload_activations, advice.loss_chunk_tokens, advice.offload_host_bytes) == (False, 1024, 0)
+    assert advice.mlp_tile_tokens is None
     assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 28
     assert advice.minimum == seven.residency(16384, loss_chunk_tokens=1024).minimum
     assert round(advice.plan.predicted_peak / 1e9, 2) == 14.21
@@ -310,6 +314,7 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     assert thirty_two.residency(16384, 1, 2, loss_chunk_tokens=1024).minimum > advice.budget
     advice = recommend(thirty_two, card, tokens=16384)
     assert (advice.offload_activations, advice.loss_chunk_tokens) == (True, 1024) and advice.plan is not None
+    assert advice.mlp_tile_tokens is None  # the tiled MLP only where these are not enough
 
 
 def test_recommendation_keeps_the_options_the_user_gave() -> None:
@@ -318,10 +323,12 @@ def test_recommendation_keeps_the_options_the_user_gave() -> None:
     assert not recommend(seven, 16 * 2**30, tokens=32768, offload=False).offload_activations
     forced = recommend(seven, 24 * 2**30, tokens=2048, offload=True)
     assert forced.offload_activations and forced.loss_chunk_tokens is None
-    # A chunk the module already uses is kept; nothing fits 32k tokens on 16 GiB, and the minimum says so.
+    # A chunk the module already uses is kept; at 32k tokens on 16 GiB offload does not make it fit (13.1 GiB
+    # streamed, a 12.7 GiB budget), so the tiled MLP is added.
     advice = recommend(seven, 16 * 2**30, tokens=32768, loss_chunk_tokens=512)
-    assert advice.plan is None and (advice.offload_activations, advice.loss_chunk_tokens) == (True, 512)
-    assert advice.minimum == seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum
+    assert seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum > advice.budget
+    assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 512, 4096)
+    assert advice.plan is not None
 
 
 def test_plan_json_and_table_carry_the_long_context_options(
@@ -337,7 +344,7 @@ def test_plan_json_and_table_carry_the_long_context_options(
     assert advice["offload_host_bytes"] == 64 * 16384 * 5120 * 2
     assert advice["host_pinned_bytes"] == report["host_arena_bytes"] + advice["offload_host_bytes"]
     assert advice["strategy_settings"] == {"vram_budget": "19.5GiB", "block_size": 2, "offload_activations": True}
-    assert advice["model_settings"] == {"loss_chunk_tokens": 1024}
+    assert advice["model_settings"] == {"loss_chunk_tokens": 1024} and advice["mlp_tile_tokens"] is None
 
     chunked = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--loss-chunk-tokens", "1024")
     assert chunked["loss_chunk_tokens"] == 1024 and not chunked["offload_activations"]
@@ -350,3 +357,95 @@ def test_plan_json_and_table_carry_the_long_context_options(
     assert "use chunked_causal_lm_loss(..., chunk_tokens=1024) / CausalLMFineTune(loss_chunk_tokens=1024)" in out
     assert "offloaded to pinned host memory (offload_activations: auto" in out
     assert re.search(rf"host RAM, offloaded layer inputs\W+{64 * 16384 * 5120 * 2 / 1e9:.2f} GB pinned", out)
+
+
+def _qwen25_72b() -> transformers.Qwen2Config:
+    return transformers.Qwen2Config(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def test_mlp_tiling_lowers_the_peak_as_the_step_shape_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _qwen25("7b").save_pretrained(tmp_path)
+    # The chunked loss and offload fixed, so that one layer's backward, not the logits, sets the peak.
+    fixed = ("--seq-len", "16384", "--loss-chunk-tokens", "1024", "--offload-activations", "on")
+    untiled = _plan_json(tmp_path, capsys, *fixed)
+    tiled = _plan_json(tmp_path, capsys, *fixed, "--mlp-tile-tokens", "4096")
+    assert (untiled["mlp_tile_tokens"], tiled["mlp_tile_tokens"]) == (None, 4096)
+
+    def working_set(tile: int | None) -> int:
+        shape = StepShape.for_config(_qwen25("7b"), 16384, 28, loss_chunk_tokens=1024, mlp_tile_tokens=tile)
+        return shape.layer_working_set()
+
+    # The MLP's part of one layer's working set shrinks from 16384 tokens to 4096: 6 x 12288 x 18944 x 2 bytes.
+    assert working_set(None) - working_set(4096) == 6 * (16384 - 4096) * 18944 * 2
+    lowered = untiled["predicted_peak_bytes"] - tiled["predicted_peak_bytes"]
+    # x 1.02: the allocator's rounding the memory model adds to the activations (planning/memory.py).
+    assert abs(lowered - (working_set(None) - working_set(4096)) * 1.02) <= 1
+    # Control arms: a tile of every token is no tiling; and under Hugging Face's loss the logits (29.9 GB), not a
+    # layer's backward, set the peak, so tiling lowers nothing there.
+    assert _plan_json(tmp_path, capsys, *fixed, "--mlp-tile-tokens", "16384") == {**untiled, "mlp_tile_tokens": 16384}
+    logits_bound = ("--seq-len", "16384", "--offload-activations", "on")
+    assert (
+        _plan_json(tmp_path, capsys, *logits_bound, "--mlp-tile-tokens", "4096")["predicted_peak_bytes"]
+        == _plan_json(tmp_path, capsys, *logits_bound)["predicted_peak_bytes"]
+    )
+
+
+def test_recommendation_tiles_the_mlp_last() -> None:
+    seventy_two = model_sizes(_qwen25_72b(), dtype=torch.bfloat16, lora_rank=16)
+    card, tokens = 24 * 2**30, 32768
+    advice = recommend(seventy_two, card, tokens)
+    # Qwen2.5-72B at 32k tokens on a 24 GiB card (a 19.5 GiB budget): offload and the chunked loss still leave
+    # one layer's backward at 17.0 GB (an untiled MLP on 32768 tokens), so every block streamed needs 27.4 GiB.
+    # Tiles of 4096 tokens bring that layer to 6.8 GB and the step to 17.7 GiB streamed: all three are picked.
+    assert seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024).minimum > advice.budget
+    assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 1024, 4096)
+    assert advice.plan is not None and advice.plan.predicted_peak <= advice.budget
+    tiled = seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024, mlp_tile_tokens=4096)
+    assert advice.minimum == tiled.minimum
+    # Block size 2 streams the same bytes (nothing is resident either way) in fewer, larger copies.
+    assert advice.block_size == 2 and advice.plan.resident == ()
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 20.36
+    assert advice.offload_host_bytes == 80 * tokens * 8192 * 2
+
+    # A tile the module already uses is kept from the first option on: at 4096 tokens the plain step fits.
+    given = recommend(seventy_two, card, 4096, mlp_tile_tokens=2048)
+    assert (given.offload_activations, given.loss_chunk_tokens, given.mlp_tile_tokens) == (False, None, 2048)
+    assert given.minimum == seventy_two.residency(4096, mlp_tile_tokens=2048).minimum
+    # Nothing fits 32k tokens on a 16 GiB card (12.7 GiB budget, 17.7 GiB needed with all three), and the minimum
+    # says so for the smallest step tried.
+    short = recommend(seventy_two, 16 * 2**30, tokens)
+    assert short.plan is None and short.minimum == advice.minimum > short.budget
+    assert (short.offload_activations, short.loss_chunk_tokens, short.mlp_tile_tokens) == (True, 1024, 4096)
+
+
+def test_plan_json_and_table_carry_the_tiled_mlp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _qwen25_72b().save_pretrained(tmp_path)
+    report = _plan_json(tmp_path, capsys, "--seq-len", "32768", "--gpu-memory", "24GiB")
+    assert report["mlp_tile_tokens"] is None
+    advice = report["recommendation"]
+    assert advice["fits"] and (advice["loss_chunk_tokens"], advice["mlp_tile_tokens"]) == (1024, 4096)
+    assert advice["strategy_settings"] == {"vram_budget": "19.5GiB", "block_size": 2, "offload_activations": True}
+    assert advice["model_settings"] == {"loss_chunk_tokens": 1024, "mlp_tile_tokens": 4096}
+
+    monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table
+    main(["plan", str(tmp_path), "--seq-len", "32768", "--gpu-memory", "24GiB"])
+    out = capsys.readouterr().out
+    assert re.search(r"MLP\W+untiled: each layer's MLP on all 32768 tokens at once", out)
+    assert re.search(
+        r"on a 24 GiB card, MLP\W+use tile_mlps\(model, 4096\) / CausalLMFineTune\(mlp_tile_tokens=4096\): nothing"
+        r" untiled fits",
+        out,
+    )
+    main(["plan", str(tmp_path), "--seq-len", "32768", "--mlp-tile-tokens", "4096"])
+    assert re.search(r"MLP\W+tiled: each layer's MLP on 4096 tokens at a time", capsys.readouterr().out)
+    # A budget too small with the chunked loss points at the tiled MLP next; with both given, at neither.
+    with pytest.raises(SystemExit, match=r"Or plan for tiled MLPs \(--mlp-tile-tokens 4096\)"):
+        main(["plan", str(tmp_path), "--seq-len", "32768", "--loss-chunk-tokens", "1024", "--vram-budget", "4GiB"])
+    with pytest.raises(SystemExit, match=r"tokens per micro-batch\.$"):
+        main(["plan", str(tmp_path), "--seq-len", "32768", "--loss-chunk-tokens", "1024", "--mlp-tile-tokens", "4096",
+              "--vram-budget", "4GiB"])  # fmt: skip

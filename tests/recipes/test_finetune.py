@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import lightning.pytorch as pl
@@ -13,14 +15,17 @@ import yaml
 from bitsandbytes.nn import Linear4bit
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
+from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import main
 from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
+from lightning_blockwise.tiling import TiledMLP
 from tests.helpers.models import CONFIGS as MODEL_CONFIGS
 from tests.helpers.models import VOCAB, trainer
 
@@ -93,7 +98,12 @@ def test_finetune_trains_saves_adapter_only_checkpoints_and_exports(
 
 def _fit_finetune(module: CausalLMFineTune, strategy: object, tmp_path: Path, steps: int = 2) -> None:
     fitter = trainer(strategy, max_steps=steps, accumulate_grad_batches=1, default_root_dir=tmp_path)
-    fitter.fit(module, datamodule=SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB, num_samples=8, batch_size=2))
+    fitter.fit(module, datamodule=_tokens())
+
+
+def _tokens() -> SyntheticTokensDataModule:
+    """4 batches of 2 x 12 random tokens."""
+    return SyntheticTokensDataModule(seq_len=12, vocab_size=VOCAB, num_samples=8, batch_size=2)
 
 
 def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -139,3 +149,90 @@ def test_random_init_from_a_config_only(tmp_path: Path) -> None:
     base = module.model.get_base_model()
     assert base.config.num_hidden_layers == MODEL_CONFIGS["llama"]().num_hidden_layers
     assert isinstance(base.model.layers[0].self_attn.q_proj.base_layer, Linear4bit)
+
+
+#: The long-context options of the tests below: a micro-batch of 2 x 12 tokens has 22 labelled rows (5 chunks of
+#: the loss, the last one short) and runs each MLP in 5 tiles (the last one short).
+CHUNK, TILE = 4, 5
+
+
+class _Losses(pl.Callback):
+    """Every training step's loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[Tensor] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+def _long_context_run(checkpoint: Path, strategy: object, tmp_path: Path, **options: Any) -> Tensor:
+    """The losses of 3 steps of a seeded CausalLMFineTune run with ``options``, LoRA dropout on."""
+    pl.seed_everything(0, verbose=False)
+    module = CausalLMFineTune(str(checkpoint), lora_r=4, compute_dtype="float32", warmup_steps=1, **options)
+    losses = _Losses()
+    fitter = trainer(strategy, max_steps=3, accumulate_grad_batches=1, default_root_dir=tmp_path, callbacks=[losses])
+    fitter.fit(module, datamodule=_tokens())
+    return torch.stack(losses.losses)
+
+
+def _planned_options(strategy: BlockwiseStrategy) -> tuple[int | None, int | None]:
+    """The loss chunk and MLP tile the strategy's plan was made for."""
+    assert strategy.step_plan is not None
+    return strategy.step_plan.shape.loss_chunk_tokens, strategy.step_plan.shape.mlp_tile_tokens
+
+
+def test_long_context_options_are_planned_for_and_applied(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    strategy = BlockwiseStrategy()
+    module = CausalLMFineTune(
+        str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", loss_chunk_tokens=CHUNK, mlp_tile_tokens=TILE
+    )
+    assert (module.hparams.loss_chunk_tokens, module.hparams.mlp_tile_tokens) == (CHUNK, TILE)
+    # A validation batch after each of the 2 training steps: both kinds of step use the module's loss.
+    fitter = trainer(
+        strategy, max_steps=2, accumulate_grad_batches=1, limit_val_batches=1, val_check_interval=1,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    with mock.patch(
+        "lightning_blockwise.recipes.finetune.chunked_causal_lm_loss", wraps=chunked_causal_lm_loss
+    ) as loss:
+        fitter.fit(module, datamodule=_tokens())
+    # The planner read the module's attributes: it plans CHUNK rows of logits and MLP tiles of TILE tokens.
+    assert _planned_options(strategy) == (CHUNK, TILE)
+    # The module really uses them: every training and validation loss is the chunked one, every MLP is tiled.
+    assert loss.call_count == 2 + 2 and all(call.kwargs["chunk_tokens"] == CHUNK for call in loss.call_args_list)
+    layers = module.model.get_base_model().model.layers
+    assert all(isinstance(vars(layer.mlp).get("forward"), TiledMLP) for layer in layers)
+    assert {layer.mlp.forward.tile_tokens for layer in layers} == {TILE}
+    # Control arm: without the options, nothing is tiled and the planner plans Hugging Face's loss.
+    plain_strategy = BlockwiseStrategy()
+    plain = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32")
+    _fit_finetune(plain, plain_strategy, tmp_path / "plain")
+    assert _planned_options(plain_strategy) == (None, None)
+    assert not any("forward" in vars(layer.mlp) for layer in plain.model.get_base_model().model.layers)
+
+
+@pytest.mark.parametrize("name", ["loss_chunk_tokens", "mlp_tile_tokens"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "1024"])
+def test_long_context_options_must_be_positive_integers(name: str, value: Any) -> None:
+    # Refused by the constructor, before any trainer or model work (the checkpoint does not even exist).
+    message = rf"^CausalLMFineTune\({name}={re.escape(repr(value))}\) must be an integer of at least 1 \(e\.g\. "
+    with pytest.raises(MisconfigurationException, match=message):
+        CausalLMFineTune("/no/such/checkpoint", **{name: value})
+    # Control arm: None (off) and a positive integer are taken.
+    assert getattr(CausalLMFineTune("/no/such/checkpoint", **{name: 1}), name) == 1
+    assert getattr(CausalLMFineTune("/no/such/checkpoint", **{name: None}), name) is None
+
+
+def test_long_context_module_blockwise_equals_resident(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    options = dict(loss_chunk_tokens=CHUNK, mlp_tile_tokens=TILE)
+    resident = _long_context_run(checkpoints["llama"], "auto", tmp_path / "auto", **options)
+    blockwise = _long_context_run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "blockwise", **options)
+    assert torch.equal(resident, blockwise), f"{resident.tolist()} vs {blockwise.tolist()}"
+    # Control arms: each option is part of the function the module trains, so the module without either of them
+    # (or both) trains to other losses on the CPU, from the second step on (LoRA's B starts at zero, so the first
+    # loss is the base's in every arm). A run that silently dropped the chunked loss or the tiling would fail the
+    # comparison above.
+    for kept in ({"loss_chunk_tokens": CHUNK}, {"mlp_tile_tokens": TILE}, {}):
+        other = _long_context_run(checkpoints["llama"], "auto", tmp_path / f"only-{'-'.join(kept)}", **kept)
+        assert torch.equal(other[0], resident[0]) and not torch.equal(other, resident), f"{kept}: {other.tolist()}"
