@@ -109,14 +109,20 @@ class StepShape:
     def layer_working_set(self) -> int:
         """Predicted bytes one layer's recompute and backward add at their peak (without the dequantized weight).
 
-        The recompute's graph and the gradients flowing through it, the MLP's the largest:
-        ``tokens x (10 hidden + 6 intermediate)`` activation elements, fitted to one Qwen2.5 7B, 32B
-        and 72B layer with LoRA measured on the H100 at 8k-32k tokens (``benchmarks/layer_working_set.py``:
-        302, 439 and 524 KB per token; this predicts 0-10% above). With tiled MLPs the MLP's part
-        is that of one tile (NOTE [ Tiled MLP ] in tiling.py).
+        The MLP's intermediates and their gradients, six ``tokens x intermediate`` tensors, and five
+        hidden-state-sized ones of attention and the norms, beyond the hidden states and gradients
+        :meth:`activation_peak` counts throughout. Fitted on the H100 (``benchmarks/memory_peak.py``:
+        at 7B and 16k tokens the step's peak holds six MLP-sized and twelve hidden-sized bf16
+        equivalents; one layer alone, ``benchmarks/layer_working_set.py``, 302/439/524 KB per token at
+        7B/32B/72B). With tiled MLPs the MLP's part is one tile's, and the tiles' saved inputs,
+        concatenated outputs and their gradients add five hidden-sized tensors (NOTE [ Tiled MLP ]).
         """
-        mlp_tokens = self.tokens if self.mlp_tile_tokens is None else min(self.tokens, self.mlp_tile_tokens)
-        return (10 * self.tokens * self.hidden_size + 6 * mlp_tokens * self.intermediate_size) * self.activation_bytes
+        if self.mlp_tile_tokens is None or self.mlp_tile_tokens >= self.tokens:
+            hidden, mlp_tokens = 5, self.tokens  # a step within one tile runs the MLP untiled (TiledMLP)
+        else:
+            hidden, mlp_tokens = 10, self.mlp_tile_tokens
+        per_token = hidden * self.tokens * self.hidden_size + 6 * mlp_tokens * self.intermediate_size
+        return per_token * self.activation_bytes
 
     def input_bytes(self) -> int:
         """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""

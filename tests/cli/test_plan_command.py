@@ -302,7 +302,7 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     assert advice.mlp_tile_tokens is None
     assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 28
     assert advice.minimum == seven.residency(16384, loss_chunk_tokens=1024).minimum
-    assert round(advice.plan.predicted_peak / 1e9, 2) == 14.21
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 13.61
 
     # Offload alone is enough where the saved inputs, not the logits, tip it over: 32B at 8192 tokens.
     thirty_two = model_sizes(_qwen25("32b"), dtype=torch.bfloat16, lora_rank=16)
@@ -323,11 +323,12 @@ def test_recommendation_keeps_the_options_the_user_gave() -> None:
     assert not recommend(seven, 16 * 2**30, tokens=32768, offload=False).offload_activations
     forced = recommend(seven, 24 * 2**30, tokens=2048, offload=True)
     assert forced.offload_activations and forced.loss_chunk_tokens is None
-    # A chunk the module already uses is kept; at 32k tokens on 16 GiB offload does not make it fit (13.1 GiB
-    # streamed, a 12.7 GiB budget), so the tiled MLP is added.
+    # A chunk the module already uses is kept; at 32k tokens on 16 GiB it fits with offload (12.8 GB streamed,
+    # a 13.6 GB budget) but not without, so offload is added and no tiling.
     advice = recommend(seven, 16 * 2**30, tokens=32768, loss_chunk_tokens=512)
-    assert seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum > advice.budget
-    assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 512, 4096)
+    assert seven.residency(32768, offload_inputs=False, loss_chunk_tokens=512).minimum > advice.budget
+    assert seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum <= advice.budget
+    assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 512, None)
     assert advice.plan is not None
 
 
@@ -378,8 +379,9 @@ def test_mlp_tiling_lowers_the_peak_as_the_step_shape_says(tmp_path: Path, capsy
         shape = StepShape.for_config(_qwen25("7b"), 16384, 28, loss_chunk_tokens=1024, mlp_tile_tokens=tile)
         return shape.layer_working_set()
 
-    # The MLP's part of one layer's working set shrinks from 16384 tokens to 4096: 6 x 12288 x 18944 x 2 bytes.
-    assert working_set(None) - working_set(4096) == 6 * (16384 - 4096) * 18944 * 2
+    # The MLP's part of one layer's working set shrinks from 16384 tokens to 4096 (6 x 12288 x 18944 x 2 bytes),
+    # and the tiles' inputs, outputs and gradients add five hidden-sized tensors (5 x 16384 x 3584 x 2 bytes).
+    assert working_set(None) - working_set(4096) == 6 * (16384 - 4096) * 18944 * 2 - 5 * 16384 * 3584 * 2
     lowered = untiled["predicted_peak_bytes"] - tiled["predicted_peak_bytes"]
     # x 1.02: the allocator's rounding the memory model adds to the activations (planning/memory.py).
     assert abs(lowered - (working_set(None) - working_set(4096)) * 1.02) <= 1
@@ -449,3 +451,30 @@ def test_plan_json_and_table_carry_the_tiled_mlp(
     with pytest.raises(SystemExit, match=r"tokens per micro-batch\.$"):
         main(["plan", str(tmp_path), "--seq-len", "32768", "--loss-chunk-tokens", "1024", "--mlp-tile-tokens", "4096",
               "--vram-budget", "4GiB"])  # fmt: skip
+
+
+#: Long-context peaks measured on the H100 (benchmarks/RESULTS.md "Long context"): shape, tokens, offload, loss
+#: chunk, MLP tile, peak allocated bytes.
+LONG_CONTEXT_PEAKS = [
+    ("7b", 16384, False, None, None, 35.43e9),
+    ("7b", 16384, True, 1024, None, 7.34e9),
+    ("7b", 16384, True, 1024, 4096, 4.67e9),
+    ("32b", 8192, False, None, None, 24.48e9),
+    ("32b", 8192, True, 1024, None, 8.28e9),
+    ("32b", 8192, True, 1024, 4096, 7.03e9),
+    ("72b", 16384, True, 1024, None, 16.39e9),
+    ("72b", 16384, True, 1024, 4096, 12.99e9),
+    ("72b", 32768, True, 1024, 4096, 18.72e9),
+]
+
+
+@pytest.mark.parametrize(("shape", "tokens", "offload", "chunk", "tile", "measured"), LONG_CONTEXT_PEAKS)
+def test_long_context_prediction_is_never_under_the_measured_peak(
+    shape: str, tokens: int, offload: bool, chunk: int | None, tile: int | None, measured: float
+) -> None:
+    config = _qwen25_72b() if shape == "72b" else _qwen25(shape)
+    sizes = model_sizes(config, dtype=torch.bfloat16, lora_rank=16)
+    predicted = sizes.residency(tokens, offload_inputs=offload, loss_chunk_tokens=chunk, mlp_tile_tokens=tile)
+    over = (predicted.predicted_peak - measured) / measured
+    # Within 10% untiled; the tiled MLP's peak is overestimated by up to 15% (RESULTS.md), never under.
+    assert 0 <= over < (0.10 if tile is None else 0.16), f"{shape} at {tokens}: {over:+.1%}"

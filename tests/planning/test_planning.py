@@ -24,7 +24,7 @@ def test_activation_peak_by_hand() -> None:
     shape = StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=3)
     saved = 3 * 512 * 8 * 2
     logits = 512 * 100 * 12
-    graph = 512 * (10 * 8 + 6 * 16) * 2
+    graph = 512 * (5 * 8 + 6 * 16) * 2  # one layer's recompute and backward, untiled
     dequantized = 2 * 8 * 16 * 2
     through = 4 * 512 * 8 * 2  # the last hidden states and the gradients through the stack
     assert shape.activation_peak() == int((saved + through + max(logits, graph + dequantized)) * 1.02)
@@ -38,7 +38,7 @@ def test_activation_peak_with_offload_and_a_chunked_loss_by_hand() -> None:
     )  # fmt: skip
     in_flight = 3 * 512 * 8 * 2  # the input in use, the next coming back, one going out
     logits = 64 * 100 * 12
-    graph = 512 * (10 * 8 + 6 * 16) * 2
+    graph = 512 * (5 * 8 + 6 * 16) * 2
     dequantized = 2 * 8 * 16 * 2
     through = 4 * 512 * 8 * 2
     assert shape.activation_peak() == int((in_flight + through + max(logits, graph + dequantized)) * 1.02)
@@ -96,3 +96,13 @@ def test_parse_bytes_refuses_nonsense() -> None:
 def test_parse_bytes_refuses_sizes_that_are_not_positive_finite_counts(value: object) -> None:
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes(value)  # type: ignore[arg-type]
+
+
+def test_a_tiled_mlp_keeps_one_tile_of_intermediates_and_adds_hidden_states() -> None:
+    def shape(tile: int | None) -> StepShape:
+        return StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=5,
+                         mlp_tile_tokens=tile)  # fmt: skip
+
+    assert shape(None).layer_working_set() == 512 * (5 * 8 + 6 * 16) * 2
+    assert shape(64).layer_working_set() == (10 * 512 * 8 + 6 * 64 * 16) * 2
+    assert shape(4096).layer_working_set() == shape(None).layer_working_set()  # within one tile: untiled
