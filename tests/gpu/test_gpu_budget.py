@@ -10,29 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from tests.helpers.models import DEFAULT_TARGETS, GPU_SHAPES, CausalLMModule, fit, nf4_lora_builder, padded_batches
+from tests.helpers.models import DEFAULT_TARGETS, CausalLMModule, fit, nf4_lora_builder, padded_batches
 
 pytestmark = pytest.mark.gpu
 
 CAP = 11 * 2**30
 # Every block streamed needs 1.71 GiB at 512 tokens and 8.25 GiB at 4096 (the planner); 28 blocks of 23 MiB.
 BUDGET = "8.6GiB"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen2")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(GPU_SHAPES["qwen2"](), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
 
 
 class _Plans(CausalLMModule):
@@ -44,14 +31,14 @@ class _Plans(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
-def test_short_batches_then_long_ones_under_a_capped_allocator(checkpoint: Path) -> None:
+def test_short_batches_then_long_ones_under_a_capped_allocator(qwen2_checkpoint: Path) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(CAP / total, device)
     try:
         torch.cuda.reset_peak_memory_stats()
-        module = _Plans(nf4_lora_builder(checkpoint, DEFAULT_TARGETS, r=16), lr=1e-4)
+        module = _Plans(nf4_lora_builder(qwen2_checkpoint, DEFAULT_TARGETS, r=16), lr=1e-4)
         module.plans = []
         batches = padded_batches(2, batch_size=1, seq=512, vocab=32000) + padded_batches(
             2, batch_size=1, seq=4096, vocab=32000, seed=7

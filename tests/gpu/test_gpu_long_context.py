@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.loss import chunked_causal_lm_loss
 from tests.helpers.models import (
     DEFAULT_TARGETS,
-    GPU_SHAPES,
     CausalLMModule,
     assert_equal_runs,
     fit,
@@ -33,18 +31,6 @@ STEPS = 4
 ACCUMULATE = 2
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen2")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(GPU_SHAPES["qwen2"](), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
-
-
 def _fit(path: Path, strategy: object) -> object:
     module = CausalLMModule(nf4_lora_builder(path, DEFAULT_TARGETS, r=16), lr=1e-4)
     batches = padded_batches(STEPS * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
@@ -56,22 +42,22 @@ def _fit(path: Path, strategy: object) -> object:
     return result
 
 
-def test_offload_equals_resident_deterministic(checkpoint: Path) -> None:
+def test_offload_equals_resident_deterministic(qwen2_checkpoint: Path) -> None:
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
-    resident = _fit(checkpoint, "auto")
+    resident = _fit(qwen2_checkpoint, "auto")
     strategy = BlockwiseStrategy(offload_activations=True)
-    offloaded = _fit(checkpoint, strategy)
+    offloaded = _fit(qwen2_checkpoint, strategy)
     assert strategy.step_plan is not None and strategy.step_plan.offload
     assert_equal_runs(resident, offloaded)
 
 
-def test_chunked_loss_against_hugging_face(checkpoint: Path) -> None:
+def test_chunked_loss_against_hugging_face(qwen2_checkpoint: Path) -> None:
     """Reports the deviation at vocab 152k and 4096 tokens; asserts only that it is a rounding difference."""
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
     torch.use_deterministic_algorithms(True)
-    model = nf4_lora_builder(checkpoint, DEFAULT_TARGETS, r=16, lora_dropout=0.0)()
+    model = nf4_lora_builder(qwen2_checkpoint, DEFAULT_TARGETS, r=16, lora_dropout=0.0)()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32000, (1, 4096), generator=gen).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
