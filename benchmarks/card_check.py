@@ -4,7 +4,7 @@ For every model of configs/ (its real shape, from `MODELS`; random-init weights,
 quant, LoRA r=16 with dropout 0.05 on every decoder linear, bf16-mixed, rows of 1024 tokens,
 batch 1, AdamW) and every card size:
 
-1. `lightning-blockwise plan`'s recommendation for that card (`sizing.recommend`, the numbers
+1. `lightning-blockwise plan`'s recommendation for that card (`recommend.recommend`, the numbers
    in the config's header): `vram_budget`, `block_size`, the predicted peak.
 2. The caching allocator is capped with `torch.cuda.set_per_process_memory_fraction` to the
    card's memory less the CUDA context this process really holds (measured: `mem_get_info`
@@ -38,7 +38,8 @@ from torch.utils.data import DataLoader
 from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.planning import parse_bytes
-from lightning_blockwise.planning.sizing import model_sizes, recommend
+from lightning_blockwise.planning.recommend import recommend
+from lightning_blockwise.planning.sizing import model_sizes
 from lightning_blockwise.recipes.random_init import random_nf4_model
 
 #: The models of configs/, at their published shapes (Gemma 3 27B: its language model; the

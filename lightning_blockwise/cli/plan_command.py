@@ -1,8 +1,10 @@
 """``lightning-blockwise plan``: a run's block bytes, host RAM and predicted VRAM, from a checkpoint's config alone.
 
-No weights are read: the sizes come from :mod:`lightning_blockwise.planning.sizing`. The
-command is handled before LightningCLI parses (LightningCLI knows only the Trainer's
-subcommands), by :func:`~lightning_blockwise.cli.main`.
+No weights are read: the sizes come from :mod:`lightning_blockwise.planning.sizing`, a card's
+recommendation from :mod:`lightning_blockwise.planning.recommend`. This module parses the arguments
+and computes the report; :mod:`lightning_blockwise.cli.plan_render` lays it out. The command is
+handled before LightningCLI parses (LightningCLI knows only the Trainer's subcommands), by
+:func:`~lightning_blockwise.cli.main`.
 
 Example::
 
@@ -23,15 +25,11 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
 from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
-from lightning_blockwise.planning import format_gb, parse_bytes
-from lightning_blockwise.planning.sizing import (
-    CUDA_CONTEXT_RESERVE,
-    RECOMMENDED_MLP_TILE_TOKENS,
-    Recommendation,
-    model_sizes,
-    recommend,
-)
+from lightning_blockwise.planning import parse_bytes
+from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, RECOMMENDED_MLP_TILE_TOKENS, recommend
+from lightning_blockwise.planning.sizing import model_sizes
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
 PLAN_COMMAND = "plan"
@@ -74,7 +72,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
     if options.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_report(report)
+        print_report(report)
     return report
 
 
@@ -166,7 +164,7 @@ def plan_report(
         "device_frozen_bytes": sizes.device_bytes,
         "adapter_bytes": sizes.trainable_bytes,
         "vram_budget": vram_budget,
-        **_plan_fields(step.residency),
+        **plan_fields(step.residency),
         "offload_activations_option": _option_name(offload_activations),
         "offload_activations": step.offload,
         "loss_chunk_tokens": loss_chunk_tokens,
@@ -178,7 +176,7 @@ def plan_report(
         advice = recommend(
             sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens
         )
-        report["recommendation"] = _recommendation_fields(advice, sizes.host_bytes(advice.block_size))
+        report["recommendation"] = recommendation_fields(advice, sizes.host_bytes(advice.block_size))
     return report
 
 
@@ -199,43 +197,6 @@ def _smaller_step_hint(loss_chunk_tokens: int | None, mlp_tile_tokens: int | Non
 
 def _option_name(offload_activations: bool | None) -> str:
     return next(name for name, value in _OFFLOAD_CHOICES.items() if value is offload_activations)
-
-
-def _recommendation_fields(advice: Recommendation, host_arena_bytes: int) -> dict[str, Any]:
-    """The ``recommendation`` of the report, with the settings to copy into a config."""
-    budget_text = f"{advice.budget / 2**30:.1f}GiB"
-    strategy = {"vram_budget": budget_text, "block_size": advice.block_size}
-    if advice.offload_activations:
-        strategy["offload_activations"] = True
-    module_options = {"loss_chunk_tokens": advice.loss_chunk_tokens, "mlp_tile_tokens": advice.mlp_tile_tokens}
-    model = {name: value for name, value in module_options.items() if value is not None}
-    return {
-        "gpu_memory": advice.gpu_memory,
-        "fits": advice.plan is not None,
-        "vram_budget": advice.budget,
-        "vram_budget_text": budget_text,
-        "block_size": advice.block_size,
-        "minimum_bytes": advice.minimum,
-        **(_plan_fields(advice.plan) if advice.plan is not None else {}),
-        "offload_activations": advice.offload_activations,
-        "loss_chunk_tokens": advice.loss_chunk_tokens,
-        "mlp_tile_tokens": advice.mlp_tile_tokens,
-        "offload_host_bytes": advice.offload_host_bytes,
-        "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes,
-        # `trainer.strategy.init_args` and `model.init_args` of a config (configs/*.yaml).
-        "strategy_settings": strategy,
-        "model_settings": model,
-    }
-
-
-def _plan_fields(residency: Any) -> dict[str, Any]:
-    return {
-        "predicted_peak_bytes": residency.predicted_peak,
-        "minimum_bytes": residency.minimum,
-        "resident_blocks": len(residency.resident),
-        "num_slots": residency.num_slots,
-        "slot_bytes": residency.slot_bytes,
-    }
 
 
 class _PlanParser(argparse.ArgumentParser):
@@ -335,154 +296,3 @@ def _load_config(path: Path) -> Any:
             f"lightning-blockwise plan: {path} does not exist. Give a local checkpoint directory or its config.json."
         )
     return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-def _print_report(report: dict[str, Any]) -> None:
-    """The report as tables (rich's when installed)."""
-    sizes = report["block_bytes"]
-    distinct = sorted(set(sizes), reverse=True)
-    blocks = ", ".join(f"{sizes.count(n)} x {n / 1e6:.1f} MB" for n in distinct)
-    rows = [
-        ("model", f"{report['model_type']}, {report['num_layers']} decoder layers"),
-        ("step", f"{report['tokens']} tokens per micro-batch"),
-        ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
-        ("layer inputs", _inputs_text(report)),
-        ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
-        ("MLP", _mlp_text(report["mlp_tile_tokens"], report["tokens"])),
-        ("host RAM, pinned arena", format_gb(report["host_arena_bytes"])),
-        ("host RAM, offloaded layer inputs", format_gb(report["offload_host_bytes"]) + " pinned"),
-        ("host RAM, pinned in all", format_gb(report["host_pinned_bytes"])),
-        ("host RAM, embedding table", format_gb(report["host_embedding_bytes"]) + " (not pinned)"),
-        ("VRAM, frozen head/norms/tables", format_gb(report["device_frozen_bytes"])),
-        ("VRAM, adapters (x4 with grads and AdamW)", format_gb(report["adapter_bytes"])),
-        (
-            "VRAM, predicted peak",
-            f"{format_gb(report['predicted_peak_bytes'])} ({report['resident_blocks']} blocks resident,"
-            f" {report['num_slots']} slots of {report['slot_bytes'] / 1e6:.1f} MB){_over_the_card(report)}",
-        ),
-        ("smallest vram_budget", format_gb(report["minimum_bytes"])),
-    ]
-    advice = report.get("recommendation")
-    if advice is not None:
-        rows.extend(_recommendation_rows(advice, report))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        width = max(len(name) for name, _ in rows)
-        print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
-        return
-    table = Table(title="lightning-blockwise plan (predicted, NF4 + double quant)")
-    table.add_column("quantity")
-    table.add_column("value", overflow="fold")
-    for name, value in rows:
-        table.add_row(name, value)
-    Console().print(table)
-
-
-def _over_the_card(report: dict[str, Any]) -> str:
-    """A warning where the step as given does not fit the ``--gpu-memory`` card (its recommendation says what does)."""
-    advice = report.get("recommendation")
-    if advice is None or report["vram_budget"] is not None:
-        return ""
-    usable = advice["gpu_memory"] - CUDA_CONTEXT_RESERVE
-    if report["predicted_peak_bytes"] <= usable:
-        return ""
-    return f"; more than the {format_gb(usable)} the card leaves, see its recommendation below"
-
-
-def _inputs_text(report: dict[str, Any]) -> str:
-    option = report["offload_activations_option"]
-    if not report["offload_activations"]:
-        return f"kept on the device until the backward (offload_activations: {option})"
-    if option == "on":
-        return "offloaded to pinned host memory (offload_activations: on)"
-    return "offloaded to pinned host memory (offload_activations: auto; the step does not fit without)"
-
-
-def _loss_text(loss_chunk_tokens: int | None, tokens: int) -> str:
-    if loss_chunk_tokens is None:
-        return f"Hugging Face's: the logits of all {tokens} tokens at once"
-    return f"chunked: {loss_chunk_tokens} rows of logits at a time"
-
-
-def _mlp_text(mlp_tile_tokens: int | None, tokens: int) -> str:
-    if mlp_tile_tokens is None:
-        return f"untiled: each layer's MLP on all {tokens} tokens at once"
-    return f"tiled: each layer's MLP on {mlp_tile_tokens} tokens at a time"
-
-
-def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list[tuple[str, str]]:
-    """The rows of a card's recommendation: settings to copy, what they predict, what they cost on the host."""
-    card = f"on a {advice['gpu_memory'] / 2**30:g} GiB card"
-    chunk = advice["loss_chunk_tokens"]
-    tile = advice["mlp_tile_tokens"]
-    if not advice["fits"]:
-        tried = [
-            "offload_activations: true" if advice["offload_activations"] else "",
-            "" if chunk is None else f"a loss of {chunk}-row chunks",
-            "" if tile is None else f"MLPs tiled by {tile} tokens",
-        ]
-        even = _and(list(filter(None, tried)))
-        return [
-            (
-                card,
-                f"does not fit{f' even with {even}' if even else ''}: needs a budget of"
-                f" {format_gb(advice['minimum_bytes'])}, the card allows {format_gb(advice['vram_budget'])};"
-                " shorten --seq-len or --batch-size, or lower --prefetch-depth",
-            )
-        ]
-    settings = ", ".join(f"{name}: {_yaml(value)}" for name, value in advice["strategy_settings"].items())
-    rows = [
-        (
-            card,
-            f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])},"
-            f" {advice['resident_blocks']} blocks resident",
-        )
-    ]
-    if advice["offload_activations"]:
-        rows.append(
-            (
-                f"{card}, host RAM",
-                f"{format_gb(advice['host_pinned_bytes'])} pinned: the arena and"
-                f" {format_gb(advice['offload_host_bytes'])} of offloaded layer inputs",
-            )
-        )
-    if chunk is not None:
-        # Said only where the recommendation chose the chunked loss, not where the user gave it.
-        why = (
-            f": Hugging Face's loss over all {report['tokens']} tokens does not fit"
-            if report["loss_chunk_tokens"] is None
-            else ""
-        )
-        rows.append(
-            (
-                f"{card}, loss",
-                f"use chunked_causal_lm_loss(..., chunk_tokens={chunk}) / CausalLMFineTune(loss_chunk_tokens={chunk})"
-                + why,
-            )
-        )
-    if tile is not None:
-        # Why, as for the loss, only where the recommendation chose the tiling: it is the last resort, it costs time.
-        why = (
-            ": nothing untiled fits; each MLP's forward runs again per tile (slower steps)"
-            if report["mlp_tile_tokens"] is None
-            else ""
-        )
-        rows.append(
-            (
-                f"{card}, MLP",
-                f"use tile_mlps(model, {tile}) / CausalLMFineTune(mlp_tile_tokens={tile})" + why,
-            )
-        )
-    return rows
-
-
-def _and(items: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join(filter(None, [", ".join(items[:-1]), *items[-1:]]))
-
-
-def _yaml(value: Any) -> str:
-    """A setting as a YAML config spells it."""
-    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,4 +1,4 @@
-"""`lightning-blockwise plan` and the analytic sizes behind it (lightning_blockwise/sizing.py)."""
+"""`lightning-blockwise plan` and the sizes and card recommendation behind it (planning/sizing.py, recommend.py)."""
 
 from __future__ import annotations
 
