@@ -1,4 +1,14 @@
-"""A causal-LM loss that never holds the full-vocabulary logits: the head and cross-entropy by row chunks.
+"""A causal-LM loss that never holds the full-vocabulary logits: the head and cross-entropy by row chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # NOTE [ Chunked loss ]
 # Hugging Face's causal-LM forward builds the logits of every token (N x V in bf16), and its
@@ -15,17 +25,6 @@
 # trains with it under ``strategy="auto"`` as under ``"blockwise"``, and the exactness
 # contract (blockwise == resident, bit for bit) holds for that module. The measured
 # deviation from Hugging Face's loss is in the README ("Long context").
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 #: Label of a position that is not learned (Hugging Face's and torch's ``ignore_index``).
 IGNORE_INDEX = -100

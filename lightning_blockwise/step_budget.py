@@ -1,14 +1,4 @@
-"""Planning a blockwise run for the micro-batches it trains on: which blocks stay resident, whether inputs offload.
-
-# NOTE [ A budget that sees the batches ]
-# Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
-# than a batch holds can overflow the card. The first plan is made for a declared maximum
-# (the strategy's ``budget_tokens``, else the data module's ``max_length`` x ``batch_size``,
-# else ``DEFAULT_TOKENS``); before a training step whose batch holds more tokens than the
-# plan, the strategy plans again for that batch (fewer resident blocks, the layer inputs
-# offloaded) or stops with a clear error, before the step allocates anything. Plans only
-# grow: a shorter batch keeps the plan made for the longest one so far.
-"""
+"""Planning a blockwise run for the micro-batches it trains on: which blocks stay resident, whether inputs offload."""
 
 from __future__ import annotations
 
@@ -21,6 +11,15 @@ from torch import Tensor, nn
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
+
+# NOTE [ A budget that sees the batches ]
+# Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
+# than a batch holds can overflow the card. The first plan is made for a declared maximum
+# (the strategy's ``budget_tokens``, else the data module's ``max_length`` x ``batch_size``,
+# else ``DEFAULT_TOKENS``); before a training step whose batch holds more tokens than the
+# plan, the strategy plans again for that batch (fewer resident blocks, the layer inputs
+# offloaded) or stops with a clear error, before the step allocates anything. Plans only
+# grow: a shorter batch keeps the plan made for the longest one so far.
 
 #: Tokens per micro-batch planned for when neither the strategy nor the data module says.
 DEFAULT_TOKENS = 2048

@@ -1,15 +1,4 @@
-"""The decoder layers of a blockwise run: rematerialized, their blocks streamed by a replaceable streamer.
-
-# NOTE [ Resident prefix ]
-# The streamer's slot bookkeeping assumes it alone binds every streamed block: a block
-# it evicts is rebound to its host slab, a prefetched one to a slot view. A prefix block
-# bound to a device copy behind its back would be rebound under a live resident graph,
-# whose bitsandbytes quant states are read at backward time (NOTE [ Graphs do not
-# outlive residency ] in replay/remat.py). So the run's streamer is closed and a streamer that
-# keeps the prefix blocks resident (the device copies) drives the context; on exit that
-# one is closed as well and a fresh streamer of the run's residency, bound as after setup,
-# takes over. Device memory meanwhile: the run's slots and resident blocks plus the prefix.
-"""
+"""The decoder layers of a blockwise run: rematerialized, their blocks streamed by a replaceable streamer."""
 
 from __future__ import annotations
 
@@ -25,6 +14,16 @@ from lightning_blockwise.replay import remat
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
+
+# NOTE [ Resident prefix ]
+# The streamer's slot bookkeeping assumes it alone binds every streamed block: a block
+# it evicts is rebound to its host slab, a prefetched one to a slot view. A prefix block
+# bound to a device copy behind its back would be rebound under a live resident graph,
+# whose bitsandbytes quant states are read at backward time (NOTE [ Graphs do not
+# outlive residency ] in replay/remat.py). So the run's streamer is closed and a streamer that
+# keeps the prefix blocks resident (the device copies) drives the context; on exit that
+# one is closed as well and a fresh streamer of the run's residency, bound as after setup,
+# takes over. Device memory meanwhile: the run's slots and resident blocks plus the prefix.
 
 
 class StreamedStack:

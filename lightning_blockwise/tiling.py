@@ -1,4 +1,14 @@
-"""Sequence-tiled MLPs: each decoder layer's MLP runs on ``tile_tokens`` tokens at a time, recomputed per tile.
+"""Sequence-tiled MLPs: each decoder layer's MLP runs on ``tile_tokens`` tokens at a time, recomputed per tile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_blockwise.architectures import find_decoder_stack
 
 # NOTE [ Tiled MLP ]
 # At long context one layer's recompute and backward are what is left on the device once the
@@ -14,17 +24,6 @@
 # the chunked loss (NOTE [ Chunked loss ] in loss.py): tile the model in the module, for every
 # strategy, and blockwise == resident holds for that module. Dropout inside a tile replays
 # under checkpointing's RNG restore.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
-
-from lightning_blockwise.architectures import find_decoder_stack
 
 #: Default tokens per MLP tile: at 72B (intermediate 29568) one tile's intermediates are ~0.24 GB each.
 DEFAULT_TILE_TOKENS = 4096

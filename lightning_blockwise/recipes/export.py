@@ -1,14 +1,4 @@
-"""Writing a trained adapter to disk so that a crash or a second run never destroys a good one.
-
-# NOTE [ Atomic adapter export ]
-# The adapter is the product of a run. It is written into a temporary directory beside the
-# target and renamed into place only once complete, so a crash mid-write leaves the previous
-# adapter (or nothing) at the target, never a half-written one. A target that already holds
-# files is refused unless the caller asks to overwrite, and that refusal is checked when the
-# run starts (`check_export_target`), not when it ends: no run may die at its end with its
-# work unsaved. If the target fills up during the run anyway, the adapter goes to a fresh
-# sibling directory with a warning instead of being lost.
-"""
+"""Writing a trained adapter to disk so that a crash or a second run never destroys a good one."""
 
 from __future__ import annotations
 
@@ -21,6 +11,15 @@ from pathlib import Path
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from peft import PeftModel
+
+# NOTE [ Atomic adapter export ]
+# The adapter is the product of a run. It is written into a temporary directory beside the
+# target and renamed into place only once complete, so a crash mid-write leaves the previous
+# adapter (or nothing) at the target, never a half-written one. A target that already holds
+# files is refused unless the caller asks to overwrite, and that refusal is checked when the
+# run starts (`check_export_target`), not when it ends: no run may die at its end with its
+# work unsaved. If the target fills up during the run anyway, the adapter goes to a fresh
+# sibling directory with a warning instead of being lost.
 
 
 def check_export_target(target: str | Path, overwrite: bool, owner: str) -> None:

@@ -1,4 +1,14 @@
-"""What a decoder layer was called with: its keyword arguments and the autocast state.
+"""What a decoder layer was called with: its keyword arguments and the autocast state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
 
 # NOTE [ Per-layer call replay ]
 # Decoder layers of one model are not called with one set of arguments. Hybrid models
@@ -12,17 +22,6 @@
 # again would attend over its own keys twice. Like Hugging Face's gradient
 # checkpointing, a captured call runs without a cache in both the forward and the
 # recompute; training never reads it.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import Tensor
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 

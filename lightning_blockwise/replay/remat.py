@@ -1,6 +1,20 @@
 """Rematerializing decoder layers: a no-grad forward that keeps only the layer input.
 
 The backward recomputes each layer under its saved RNG state and call arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.residency.activations import ActivationOffload
+from lightning_blockwise.residency.base import Pass, Residency
 
 # NOTE [ Exact rematerialization ]
 # The recompute in the backward must be the very function the forward evaluated, so that
@@ -26,20 +40,6 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 # streamed slot holds next: forward exact, gradients silently wrong. So the recompute's
 # graph is built, differentiated and dropped between ``acquire`` and ``release`` of the
 # same backward step, and the no-grad forward builds no graph at all.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import Tensor, nn
-
-from lightning_blockwise.replay.capture import LayerCall
-from lightning_blockwise.replay.rng import RngSnapshot
-from lightning_blockwise.residency.activations import ActivationOffload
-from lightning_blockwise.residency.base import Pass, Residency
 
 
 class RematLayer:

@@ -1,15 +1,4 @@
-"""RNG snapshots: a layer's, replayed in its recompute; the run's global generators, saved for an exact resume.
-
-# NOTE [ RNG replay ]
-# A layer with dropout draws random numbers in its forward. The backward recomputes the
-# layer, and the recompute must draw exactly the numbers the forward drew, or its graph
-# is a different function from the one whose output the loss saw. So the CPU generator
-# and the generator of the layer's device are captured right before the forward and
-# restored right before the recompute. The restore happens inside
-# ``torch.random.fork_rng`` so that, once the recompute is done, the global generators
-# are back where the backward found them: the run's random stream advances exactly as in
-# resident training, where the backward draws nothing.
-"""
+"""RNG snapshots: a layer's, replayed in its recompute; the run's global generators, saved for an exact resume."""
 
 from __future__ import annotations
 
@@ -21,6 +10,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+# NOTE [ RNG replay ]
+# A layer with dropout draws random numbers in its forward. The backward recomputes the
+# layer, and the recompute must draw exactly the numbers the forward drew, or its graph
+# is a different function from the one whose output the loss saw. So the CPU generator
+# and the generator of the layer's device are captured right before the forward and
+# restored right before the recompute. The restore happens inside
+# ``torch.random.fork_rng`` so that, once the recompute is done, the global generators
+# are back where the backward found them: the run's random stream advances exactly as in
+# resident training, where the backward draws nothing.
 
 try:
     import numpy as np

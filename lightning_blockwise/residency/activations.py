@@ -1,4 +1,14 @@
-"""Layer-input offload: what each rematerialized layer saves for its backward, kept in pinned host memory.
+"""Layer-input offload: what each rematerialized layer saves for its backward, kept in pinned host memory."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_blockwise.residency.arena import HostArena
 
 # NOTE [ Layer-input offload ]
 # Between its forward and its backward a rematerialized layer keeps one tensor: its input
@@ -24,17 +34,6 @@
 #
 # Inputs that are not contiguous stay on the device (a contiguous copy could change the
 # kernels the recompute picks); ``stats.kept_on_device`` counts them.
-"""
-
-from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass
-
-import torch
-from torch import Tensor
-
-from lightning_blockwise.residency.arena import HostArena
 
 
 @dataclass

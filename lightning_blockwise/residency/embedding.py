@@ -1,4 +1,11 @@
-"""The frozen input embedding, looked up in host memory.
+"""The frozen input embedding, looked up in host memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
 
 # NOTE [ Host embedding lookup ]
 # An embedding forward is a row gather (times a constant for Gemma's scaled embeddings),
@@ -7,14 +14,6 @@
 # host RAM, the few rows a batch needs are gathered there, and only they travel to the
 # device. At 32B that keeps a 1.56 GB table out of VRAM for a transfer of a few hundred KB
 # per step. A table that trains, or that is tied to the LM head, stays on the device.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-from torch import Tensor, nn
 
 
 class HostEmbedding:

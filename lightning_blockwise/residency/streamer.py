@@ -1,4 +1,18 @@
-"""Streaming blocks of frozen weights from the host arena through a fixed pool of device slots.
+"""Streaming blocks of frozen weights from the host arena through a fixed pool of device slots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.residency.base import Pass, Residency
+from lightning_blockwise.residency.binding import views
+from lightning_blockwise.residency.layout import BlockLayout
 
 # NOTE [ Slot reuse ]
 # A slot is refilled only after every kernel that reads the block it holds has finished.
@@ -28,21 +42,6 @@
 # current, the others while the compute stream is. An observer can record a CUDA event
 # right there (or read a host clock on the CPU) and read the timings later, without a
 # synchronize. The default observer does nothing, so the streamer needs no ``if`` for it.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-import torch
-from torch import Tensor
-from typing_extensions import override
-
-from lightning_blockwise.planning import BlockPlan
-from lightning_blockwise.residency.base import Pass, Residency
-from lightning_blockwise.residency.binding import views
-from lightning_blockwise.residency.layout import BlockLayout
 
 
 @dataclass
