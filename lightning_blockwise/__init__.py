@@ -7,7 +7,7 @@ Importing the package registers ``"blockwise"`` in Lightning's strategy registry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
-from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError
+from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError, SampleGenerations
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.strategy import BlockwiseStrategy
 
@@ -20,6 +20,7 @@ __all__ = [
     "BlockwiseStrategy",
     "ParityCheck",
     "ParityError",
+    "SampleGenerations",
     "__version__",
     "load_blockwise",
 ]

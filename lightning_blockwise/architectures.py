@@ -54,7 +54,7 @@ def find_decoder_stack(module: nn.Module, allow_unvalidated: bool = False) -> De
         MisconfigurationException: If no Hugging Face model or decoder stack is found, if
             there is more than one model, or if the architecture is not validated.
     """
-    models = _outermost_pretrained_models(module)
+    models = pretrained_models(module)
     if not models:
         raise MisconfigurationException(
             f"BlockwiseStrategy found no Hugging Face `PreTrainedModel` inside `{type(module).__name__}`. Build the"
@@ -73,9 +73,11 @@ def find_decoder_stack(module: nn.Module, allow_unvalidated: bool = False) -> De
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise MisconfigurationException(
-            f"BlockwiseStrategy found no decoder stack in `{name}` ({type(model).__name__}, model_type"
-            f" {model_type!r}): expected `model.get_decoder().layers` to be a non-empty `nn.ModuleList`. Only"
-            " decoder-only causal LMs are supported."
+            f"BlockwiseStrategy found no decoder stack in `{name or type(module).__name__}` ({type(model).__name__},"
+            f" model_type {model_type!r}): it streams the layers at `get_decoder().layers` (a non-empty"
+            f" `nn.ModuleList`), but {_where_the_layers_are(model, decoder)} Models that keep their layers"
+            " elsewhere are not supported, and `BlockwiseStrategy(allow_unvalidated=True)` would not help: it"
+            " accepts other model types, but only with their layers at `get_decoder().layers`."
         )
     if model_type not in VALIDATED_MODEL_TYPES and not allow_unvalidated:
         raise MisconfigurationException(
@@ -146,8 +148,33 @@ def eval_mode_4bit_modules(stack: DecoderStack) -> list[str]:
     ]
 
 
-def _outermost_pretrained_models(module: nn.Module) -> list[tuple[str, PreTrainedModel]]:
-    """Hugging Face models in ``module`` that are not inside another one (pre-order walk)."""
+def _where_the_layers_are(model: nn.Module, decoder: nn.Module | None) -> str:
+    """What ``model.get_decoder()`` is instead, and the module lists inside it (where layers may be), as a clause."""
+    owner = type(model).__name__
+    if not hasattr(model, "get_decoder"):
+        return f"`{owner}` has no `get_decoder()`."
+    if decoder is None:
+        return f"`{owner}.get_decoder()` returns `None`."
+    prefix = next((f"{path}." for path, sub in model.named_modules() if sub is decoder and path), "")
+    lists: list[str] = []
+    for path, sub in decoder.named_modules():
+        # The outermost lists only: a list of layers is the thing to name, not the lists inside each layer.
+        if isinstance(sub, nn.ModuleList) and len(sub) > 0 and not any(path.startswith(f"{o}.") for o in lists):
+            lists.append(path)
+    found = ", ".join(f"`{prefix}{path}`" for path in lists[:3]) if lists else "none"
+    return (
+        f"`{owner}.get_decoder()` is a `{type(decoder).__name__}` with no `layers` (module lists inside it: {found})."
+    )
+
+
+def pretrained_models(module: nn.Module) -> list[tuple[str, PreTrainedModel]]:
+    """Hugging Face models in ``module`` that are not inside another one, with their names (pre-order walk).
+
+    A PEFT wrapper is not a ``PreTrainedModel``: the model found is the one it wraps, adapters injected.
+
+    Args:
+        module: Any module, e.g. a LightningModule; ``module`` itself counts (its name is ``""``).
+    """
     found: list[tuple[str, PreTrainedModel]] = []
     for name, sub in module.named_modules():
         inside_found = any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found)

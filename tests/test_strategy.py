@@ -165,7 +165,27 @@ def test_error_no_decoder_stack() -> None:
             )
             self.model = transformers.BertForMaskedLM(config)
 
-    _fit_expecting(Encoder(), "found no decoder stack")
+    _fit_expecting(Encoder(), r"found no decoder stack.*module lists inside it: `bert.encoder.layer`")
+
+
+@pytest.mark.parametrize("allow_unvalidated", [False, True])
+def test_error_layers_not_at_get_decoder_layers_names_where_they_are(allow_unvalidated: bool) -> None:
+    # GPT-2 is a causal LM, but keeps its layers at `transformer.h`: the refusal says that, not "not decoder-only",
+    # and says the opt-in does not help (it is refused the same with the opt-in).
+    def build() -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        config = transformers.GPT2Config(vocab_size=96, n_embd=16, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+
+    match = (
+        r"found no decoder stack in `model.base_model.model` \(GPT2LMHeadModel, model_type 'gpt2'\): it streams"
+        r" the layers at `get_decoder\(\).layers`.*`GPT2LMHeadModel.get_decoder\(\)` is a `GPT2Model` with no"
+        r" `layers` \(module lists inside it: `transformer.h`\).*`BlockwiseStrategy\(allow_unvalidated=True\)`"
+        r" would not help"
+    )
+    _fit_expecting(CausalLMModule(build), match, BlockwiseStrategy(allow_unvalidated=allow_unvalidated))
 
 
 def test_error_trainable_base_weight() -> None:

@@ -8,7 +8,7 @@ handled before LightningCLI parses (LightningCLI knows only the Trainer's subcom
 
 Example::
 
-    lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --gpu-memory 24GiB --json
+    lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --lora-r 16 --gpu-memory 24GiB --json
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 32768 --loss-chunk-tokens 1024 --mlp-tile-tokens 4096
 """
@@ -55,7 +55,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
         report = plan_report(
             _load_config(options.checkpoint),
             tokens=options.seq_len * options.batch_size,
-            lora_rank=options.lora_rank,
+            lora_rank=options.lora_r,
             targets=options.targets,
             dora=options.dora,
             dtype=options.dtype,
@@ -237,7 +237,16 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", type=Path, help="A checkpoint directory, or the path of its config.json.")
     parser.add_argument("--seq-len", type=_positive_int, default=2048, help="Tokens per sequence (default: 2048).")
     parser.add_argument("--batch-size", type=_positive_int, default=1, help="Sequences per micro-batch (default: 1).")
-    parser.add_argument("--lora-rank", type=_positive_int, default=16, help="LoRA rank r (default: 16).")
+    # The spelling of `CausalLMFineTune(lora_r=...)` and the configs' `lora_r`; `--lora-rank`, the first spelling,
+    # stays an alias so existing commands keep working.
+    parser.add_argument(
+        "--lora-r",
+        "--lora-rank",
+        dest="lora_r",
+        type=_positive_int,
+        default=16,
+        help="LoRA rank r, the configs' lora_r (default: 16). --lora-rank is the same option.",
+    )
     parser.add_argument(
         "--targets",
         nargs="+",

@@ -132,6 +132,16 @@ def test_vocab_mismatch_is_refused_before_building(tmp_path: Path) -> None:
     assert module.model is None
 
 
+def test_demo_config_counts_the_epochs_its_steps_take(tmp_path: Path) -> None:
+    """The progress bar shows `Epoch <n>/<max_epochs - 1>`: with max_steps alone Lightning's max_epochs is -1."""
+    into = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = build_cli(["--config", str(DEMO_CONFIG), *into], run=False)
+    cli.datamodule.setup("fit")
+    batches = len(cli.datamodule.train_dataloader())
+    steps_per_epoch = math.ceil(batches / cli.trainer.accumulate_grad_batches)
+    assert cli.trainer.max_epochs == math.ceil(cli.trainer.max_steps / steps_per_epoch) == 3
+
+
 def _metric(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(row[key]) for row in rows if row.get(key)]
 
@@ -154,6 +164,11 @@ def test_demo_fit_lowers_the_loss_and_saves_a_loadable_adapter(tmp_path: Path) -
     # Single-batch losses are noisy: compare the first two logged with the last two.
     assert sum(train[-2:]) / 2 < sum(train[:2]) / 2 - 0.8, train
     assert val[-1] < val[0], val
+    # LearningRateMonitor logs the warmup-cosine rate with the losses: up for 5 steps to the peak, then down.
+    rates = _metric(rows, "lr-AdamW")
+    hp = cli.model.hparams
+    assert len(rates) == 9 and rates[0] < rates[1] == pytest.approx(hp.learning_rate, rel=0.05), rates
+    assert all(x > y for x, y in itertools.pairwise(rates[1:])), rates
     assert (log_dir / "config.yaml").is_file()
     # The demo's callbacks ran: the parity check passed on every layer, and the profiler wrote its summary.
     assert _metric(rows, "parity/passed") == [1.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -13,13 +14,15 @@ import pytest
 import torch
 import yaml
 from bitsandbytes.nn import Linear4bit
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.cli import main
+from lightning_blockwise.cli import build_cli, main
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
@@ -60,6 +63,39 @@ def test_config_parses_with_print_config(path: Path, capsys: pytest.CaptureFixtu
         key, _, value = line.strip().partition(": ")
         if value and not key.startswith(("#", "- ")) and key != "class_path":
             assert lines[index - 1].strip().startswith("#"), f"{path.name}:{index + 1} `{line.strip()}` has no comment"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_logs_the_learning_rate_and_picks_its_logger(path: Path) -> None:
+    trainer_config = yaml.safe_load(path.read_text(encoding="utf-8"))["trainer"]
+    # Every config trains a module with a warmup-cosine schedule: its learning rate is logged every logged step.
+    monitor = {
+        "class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+        "init_args": {"logging_interval": "step"},
+    }
+    assert monitor in trainer_config["callbacks"]
+    if path.stem == "demo":
+        # CSV whatever is installed: examples/README.md and the demo's tests read its metrics.csv.
+        assert trainer_config["logger"]["class_path"] == "lightning.pytorch.loggers.CSVLogger"
+    else:
+        # Lightning's default logger: TensorBoard when `tensorboard` or `tensorboardX` is installed, else CSV.
+        assert trainer_config["logger"] is True
+
+
+def test_model_config_logs_to_tensorboard_when_installed_else_to_csv(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    args = [
+        "--config",
+        str(ROOT / "configs" / "qwen2.5-7b.yaml"),
+        f"--model.init_args.checkpoint={checkpoints['llama']}",
+    ]
+    args += ["--data.init_args.tokenizer=null", "--trainer.accelerator=cpu", "--trainer.precision=32-true"]
+    cli = build_cli([*args, f"--trainer.default_root_dir={tmp_path}"], run=False)
+    tensorboard = any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
+    assert type(cli.trainer.logger) is (TensorBoardLogger if tensorboard else CSVLogger)
+    assert Path(cli.trainer.log_dir).parent == tmp_path / "lightning_logs"
+    assert sum(isinstance(callback, LearningRateMonitor) for callback in cli.trainer.callbacks) == 1
 
 
 def test_finetune_trains_saves_adapter_only_checkpoints_and_exports(
