@@ -3,6 +3,7 @@
 Random-init NF4 models of the Qwen2.5 shapes (`step_benchmark.SHAPES`), LoRA r=16 on all seven
 projections, bf16-mixed, batch 1, AdamW, trained through `Trainer.fit`. Arms (names joined by `+`):
 
+- `resident`: `strategy="auto"`, no gradient checkpointing (the compute floor a user with the memory would run);
 - `resident_ckpt`: `strategy="auto"` with Hugging Face gradient checkpointing;
 - `blockwise`: `BlockwiseStrategy(offload_activations=False)`, default options otherwise;
 - `+offload`: `offload_activations=True` (layer inputs in pinned host memory);
@@ -16,6 +17,7 @@ allocated and reserved GB over the measured steps, host-to-device and device-to-
     python -m benchmarks.long_context grid --points 7b:16384 --arms blockwise blockwise+offload+chunked
     python -m benchmarks.long_context card --path /tmp/ckpt-72b --seq 32768 --cap-gib 22
 
+`--vram-budget` gives the blockwise arms a budget (the allocator's cap during their run).
 `card` caps the caching allocator from the process start (`set_per_process_memory_fraction`),
 loads the checkpoint with `load_blockwise` and trains with `--arm` (default: every long-context option on).
 """
@@ -106,7 +108,9 @@ def _traffic_sources(trainer: pl.Trainer) -> list[Any]:
     return [s for s in (getattr(strategy, "streamer", None), getattr(strategy, "activation_offload", None)) if s]
 
 
-def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab: int, det: bool) -> dict[str, Any]:
+def run_arm(
+    model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab: int, det: bool, budget: str | None = None
+) -> dict[str, Any]:
     parts = arm.split("+")
     chunk = CHUNK if "chunked" in parts else None
     tile = TILE if "tiled" in parts else None
@@ -114,8 +118,10 @@ def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         strategy: Any = "auto"
+    elif parts[0] == "resident":
+        strategy = "auto"
     else:
-        strategy = BlockwiseStrategy(offload_activations="offload" in parts)
+        strategy = BlockwiseStrategy(offload_activations="offload" in parts, vram_budget=budget)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (warmup + steps, 1, seq), generator=gen)
     batches = [{"input_ids": ids, "labels": ids} for ids in tokens]
@@ -129,7 +135,7 @@ def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab
     try:
         trainer.fit(LongModule(model, chunk, tile), DataLoader(batches, batch_size=None))
     except torch.OutOfMemoryError as error:
-        row.update(oom=True, error=str(error).splitlines()[0])
+        row.update(oom=True, error=str(error).splitlines()[0], segments=_segments())
     row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
     row["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
     if meter.times:
@@ -143,10 +149,25 @@ def run_arm(model: nn.Module, arm: str, seq: int, steps: int, warmup: int, vocab
         row["host_pinned_gb"] = ((copy.arena.nbytes if copy else 0) + meter.offload_host_bytes) / 1e9
         row["predicted_peak_gb"] = strategy.step_plan.residency.predicted_peak / 1e9
         row["offload"] = strategy.step_plan.offload
+        row["resident_blocks"] = len(strategy.step_plan.residency.resident)
+        row["predicted_reserved_gb"] = strategy.step_plan.residency.predicted_reserved / 1e9
     if parts[0] == "resident_ckpt":
         model.gradient_checkpointing_disable()
     torch.cuda.empty_cache()
     return row
+
+
+def _segments() -> dict[str, dict[str, float]]:
+    """The allocator's segments by kind (expandable or not): count, GB mapped, GB allocated."""
+    kinds: dict[str, dict[str, float]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        kind = kinds.setdefault(
+            "expandable" if segment.get("is_expandable") else "fixed", {"count": 0, "gb": 0.0, "allocated_gb": 0.0}
+        )
+        kind["count"] += 1
+        kind["gb"] += segment["total_size"] / 1e9
+        kind["allocated_gb"] += segment["allocated_size"] / 1e9
+    return kinds
 
 
 def grid(args: argparse.Namespace) -> None:
@@ -161,7 +182,10 @@ def grid(args: argparse.Namespace) -> None:
             model.to(device)  # a blockwise run leaves the base in host memory
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            row = run_arm(model, arm, int(seq), args.steps, args.warmup, config.vocab_size, args.deterministic)
+            row = run_arm(
+                model, arm, int(seq), args.steps, args.warmup, config.vocab_size, args.deterministic, args.vram_budget
+            )
+            row["vram_budget"] = args.vram_budget
             _emit({"shape": shape, "seq": int(seq), "arm": arm, "mode": mode, **row}, args.out)
         del model
         torch.cuda.empty_cache()
@@ -203,6 +227,7 @@ def main() -> None:
     g.add_argument("--points", nargs="+", default=["7b:16384"], help="SHAPE:SEQ, e.g. 72b:16384")
     g.add_argument("--arms", nargs="+", default=["blockwise", "blockwise+offload+chunked"])
     g.add_argument("--deterministic", action="store_true")
+    g.add_argument("--vram-budget", default=None, help="the blockwise arms' vram_budget, e.g. 8.5GiB")
     c = commands.add_parser("card")
     c.add_argument("--path", required=True)
     c.add_argument("--seq", type=int, default=32768)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
+from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT
 
 # NOTE [ A budget that sees the batches ]
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
@@ -186,8 +187,9 @@ class StepBudget:
             else ""
         )
         return (
-            f"predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB at {plan.tokens} tokens per"
-            f" micro-batch{offload}"
+            f"predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
+            f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"
+            f" tokens per micro-batch{offload}"
         )
 
 
@@ -245,7 +247,8 @@ def reference_headroom(device: torch.device, budget: int | None, predicted_peak:
     """
     limits = []
     if budget is not None:
-        limits.append(budget - predicted_peak)
+        # The budget caps the allocator, which needs its headroom (NOTE [ A budget is a cap on the card ]).
+        limits.append(budget * 100 // (100 + ALLOCATOR_HEADROOM_PERCENT) - predicted_peak)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)

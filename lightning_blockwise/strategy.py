@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FrozenBase, save_unbuffered
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
+from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap, check_cap
 from lightning_blockwise.options import (
     budget_bytes,
     check_count,
@@ -62,9 +63,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     Args:
         block_size: Decoder layers per block.
         prefetch_depth: Blocks fetched ahead of the one in use when weights stream.
-        vram_budget: Cap on the predicted peak allocated device memory of a training step, in
-            bytes or as a string like ``"16GiB"``. Blocks that fit under it stay on the device
-            for the whole run (less traffic, faster steps); without it every block streams.
+        vram_budget: Cap on the device memory the run takes, in bytes or as a string like ``"16GiB"``:
+            on CUDA the caching allocator's per-process cap for the run, with expandable segments on
+            (NOTE [ A budget is a cap on the card ] in planning/memory.py). Blocks that fit under it
+            with the step's predicted peak and 10% headroom stay on the device for the whole run
+            (less traffic, faster steps); without it every block streams.
         budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default:
             the data module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either
             way a longer batch is planned for before its step runs (NOTE [ A budget that sees the
@@ -147,6 +150,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._repack_flags: dict[torch.nn.Module, bool] = {}
         self._frozen_base: FrozenBase | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self._memory_cap: DeviceMemoryCap | None = None
 
     # Lightning hands a strategy chosen by name its devices through `parallel_devices`
     # (see `_AcceleratorConnector._lazy_init_strategy`). A `SingleDeviceStrategy` built from a
@@ -178,6 +182,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainable(stack)
         self._stack = stack
+        if self.root_device.type == "cuda":
+            with self._budget_errors():
+                check_cap(self.root_device, self.vram_budget)
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
         assert self.streamer is not None and self._host_copy is not None and self._layers is not None
         assert self._budget is not None and self.step_plan is not None
@@ -226,6 +233,13 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._on_host = on_host
         if device.type == "cpu":
             self._repack_flags = disable_cpu_repack(self._stack.layers)
+        else:
+            # Once the base has left the device, so the cap is not below what it holds (NOTE [ A budget is a
+            # cap on the card ] in planning/memory.py).
+            with self._budget_errors():
+                self._memory_cap, changes = apply_cap(device, self.vram_budget)
+            for change in changes:
+                rank_zero_info(f"BlockwiseStrategy: {change}.")
         self._budget = StepBudget.for_module(
             self.lightning_module,
             self._stack.model,
@@ -264,8 +278,14 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     def _plan_for(self, tokens: int) -> StepPlan:
         assert self._budget is not None
-        try:
+        with self._budget_errors():
             return self._budget.plan(tokens)
+
+    @contextmanager
+    def _budget_errors(self) -> Iterator[None]:
+        """The planner's and the allocator cap's ``ValueError`` as the user's mistake, naming the budget."""
+        try:
+            yield
         except ValueError as error:
             raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={self.vram_budget})`: {error}") from None
 
@@ -447,6 +467,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._on_host = []
         restore_cpu_repack(self._repack_flags)
         self._repack_flags = {}
+        if self._memory_cap is not None:
+            self._memory_cap.restore()
+            self._memory_cap = None
         self._stack = None
         super().teardown()
 

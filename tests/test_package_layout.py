@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"residency"},
     {"replay"},
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
-    {"checkpointing", "loading", "sizing", "streamed_stack", "step_budget"},
+    {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},

@@ -43,6 +43,7 @@ def plan_fields(residency: Any) -> dict[str, Any]:
     """The report's fields of a residency plan: predicted peak, minimum budget, resident blocks, slots."""
     return {
         "predicted_peak_bytes": residency.predicted_peak,
+        "predicted_reserved_bytes": residency.predicted_reserved,
         "minimum_bytes": residency.minimum,
         "resident_blocks": len(residency.resident),
         "num_slots": residency.num_slots,
@@ -70,8 +71,12 @@ def print_report(report: dict[str, Any]) -> None:
         ("VRAM, adapters (x4 with grads and AdamW)", format_gb(report["adapter_bytes"])),
         (
             "VRAM, predicted peak",
-            f"{format_gb(report['predicted_peak_bytes'])} ({report['resident_blocks']} blocks resident,"
+            f"{format_gb(report['predicted_peak_bytes'])} allocated ({report['resident_blocks']} blocks resident,"
             f" {report['num_slots']} slots of {report['slot_bytes'] / 1e6:.1f} MB){_over_the_card(report)}",
+        ),
+        (
+            "VRAM, with the allocator's headroom",
+            f"{format_gb(report['predicted_reserved_bytes'])} (the budget it needs)",
         ),
         ("smallest vram_budget", format_gb(report["minimum_bytes"])),
     ]
@@ -99,7 +104,7 @@ def _over_the_card(report: dict[str, Any]) -> str:
     if advice is None or report["vram_budget"] is not None:
         return ""
     usable = advice["gpu_memory"] - CUDA_CONTEXT_RESERVE
-    if report["predicted_peak_bytes"] <= usable:
+    if report["predicted_reserved_bytes"] <= usable:
         return ""
     return f"; more than the {format_gb(usable)} the card leaves, see its recommendation below"
 

@@ -17,6 +17,9 @@ _HIDDEN_STATES_ALIVE = 4
 #: The caching allocator rounds every block up (512 B, 2 MiB for large ones); the peak it reports
 #: counts the rounded sizes. Measured peaks were up to 1% above the unrounded sum.
 _ALLOCATOR_ROUNDING = 1.02
+#: The cap a budget sets on the caching allocator over the predicted allocated peak
+#: (NOTE [ A budget is a cap on the card ]).
+ALLOCATOR_HEADROOM_PERCENT = 10
 #: Layer inputs on the device at a time with offload on: the one in use, the next one coming
 #: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
 _INPUTS_IN_FLIGHT = 3
@@ -137,6 +140,22 @@ class StepShape:
         return self.tokens * (6 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
 
 
+# NOTE [ A budget is a cap on the card ]
+# What runs out on a card is what the caching allocator has reserved, not what tensors hold: a
+# budget that bounds only the allocated peak let the allocator reserve 1.1-1.3x of it with
+# expandable segments and 1.2-2.6x without (benchmarks/RESULTS.md, "Long context"), and a run
+# sized to the card could still die. So a ``vram_budget`` is made a cap: on CUDA the strategy sets
+# it as the allocator's per-process limit (``torch.cuda.set_per_process_memory_fraction``), with
+# expandable segments on (residency/device_memory.py), and the allocator frees its cache and maps
+# pages rather than reserve past it. What the cap must leave over the allocated peak was measured
+# (``benchmarks/allocator_cap.py``, H100, 7B at 4k and 16k tokens, with and without offload and
+# tiling): with expandable segments a cap of 1.05x the allocated peak ran every point and 1.02x
+# ran out of memory in each; without them even 1.10x ran out in each. The plan therefore keeps
+# ``ALLOCATOR_HEADROOM_PERCENT`` (10%) between its predicted allocated peak, itself never under the
+# measured one, and the budget; at 1.05x the tightest point was 7% slower (the allocator freeing
+# and remapping), at 1.10x none was.
+
+
 @dataclass(frozen=True)
 class ResidencyPlan:
     """Which blocks stay on the device for the whole run, and the memory that is predicted to take.
@@ -146,7 +165,8 @@ class ResidencyPlan:
         num_slots: Device slots for the streamed blocks.
         slot_bytes: Bytes of one slot (the largest streamed block).
         predicted_peak: Predicted peak allocated device memory of a training step, in bytes.
-        minimum: The smallest budget that streams every block.
+        minimum: The smallest budget that streams every block (its predicted peak with the
+            allocator's headroom, NOTE [ A budget is a cap on the card ]).
     """
 
     resident: tuple[int, ...]
@@ -155,6 +175,16 @@ class ResidencyPlan:
     predicted_peak: int
     minimum: int
 
+    @property
+    def predicted_reserved(self) -> int:
+        """The budget this plan needs: its predicted peak with the allocator's headroom."""
+        return with_headroom(self.predicted_peak)
+
+
+def with_headroom(allocated: int) -> int:
+    """The allocator cap an allocated peak of ``allocated`` bytes needs (NOTE [ A budget is a cap on the card ])."""
+    return allocated + -(-allocated * ALLOCATOR_HEADROOM_PERCENT // 100)
+
 
 def plan_residency(
     block_bytes: list[int], prefetch_depth: int, fixed_bytes: int, trainable_bytes: int, activation_bytes: int,
@@ -162,11 +192,12 @@ def plan_residency(
 ) -> ResidencyPlan:  # fmt: skip
     """Keep as many blocks resident as ``budget`` allows; stream the rest (all of them without a budget).
 
-    The prediction adds what is on the device for the whole run (``fixed_bytes``: head,
-    norms, adapters), the adapters' gradients and AdamW state (3 x ``trainable_bytes``), the
-    activations, the slots and the resident blocks. Blocks are kept resident from the first
-    one on: every block but those around the forward/backward turn is loaded twice per step,
-    so any resident block saves the same traffic.
+    A plan fits the budget when its predicted peak with the allocator's headroom does
+    (NOTE [ A budget is a cap on the card ]). The prediction adds what is on the device for the
+    whole run (``fixed_bytes``: head, norms, adapters), the adapters' gradients and AdamW state
+    (3 x ``trainable_bytes``), the activations, the slots and the resident blocks. Blocks are
+    kept resident from the first one on: every block but those around the forward/backward turn
+    is loaded twice per step, so any resident block saves the same traffic.
 
     Args:
         block_bytes: Each block's slab size.
@@ -174,7 +205,7 @@ def plan_residency(
         fixed_bytes: Device bytes that do not depend on the plan.
         trainable_bytes: Bytes of the trainable parameters.
         activation_bytes: Predicted activation peak (:meth:`StepShape.activation_peak`).
-        budget: The cap on the predicted peak, in bytes, or ``None`` to stream every block.
+        budget: The cap on the allocator, in bytes, or ``None`` to stream every block.
 
     Raises:
         ValueError: If ``budget`` is below the minimum (every block streamed).
@@ -187,20 +218,23 @@ def plan_residency(
         slot_bytes = max(streamed, default=0)
         return base + slots * slot_bytes + sum(block_bytes[:resident]), slots, slot_bytes
 
-    minimum, slots, slot_bytes = peak(0)
+    streamed_peak, slots, slot_bytes = peak(0)
+    minimum = with_headroom(streamed_peak)
     if budget is None:
-        return ResidencyPlan((), slots, slot_bytes, minimum, minimum)
+        return ResidencyPlan((), slots, slot_bytes, streamed_peak, minimum)
     if budget < minimum:
         raise ValueError(
             f"the budget of {format_gib(budget)} is below the {format_gib(minimum)} this run needs with every block"
-            f" streamed ({len(block_bytes)} blocks, {slots} slots of {slot_bytes / 2**20:.0f} MiB). Raise the budget to"
-            f" at least {format_gib(minimum)}, or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."
+            f" streamed ({len(block_bytes)} blocks, {slots} slots of {slot_bytes / 2**20:.0f} MiB; a predicted peak of"
+            f" {format_gib(streamed_peak)} allocated and {ALLOCATOR_HEADROOM_PERCENT}% for the allocator). Raise the"
+            f" budget to at least {format_gib(minimum)}, or lower `prefetch_depth`, `block_size` or the tokens per"
+            " micro-batch."
         )
     resident = 0
-    while resident < len(block_bytes) and peak(resident + 1)[0] <= budget:
+    while resident < len(block_bytes) and with_headroom(peak(resident + 1)[0]) <= budget:
         resident += 1
     predicted, slots, slot_bytes = peak(resident)
     return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum)
 
 
-__all__ = ["ResidencyPlan", "StepShape", "plan_residency"]
+__all__ = ["ALLOCATOR_HEADROOM_PERCENT", "ResidencyPlan", "StepShape", "plan_residency", "with_headroom"]

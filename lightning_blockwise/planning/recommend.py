@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 #: Card memory kept out of the recommended budget: the CUDA context and cuBLAS workspaces,
 #: which ``torch.cuda.max_memory_allocated`` (what the budget predicts) does not count.
 CUDA_CONTEXT_RESERVE = 2**30
-#: Fraction of the rest the budget takes; the remainder covers the caching allocator's fragmentation.
-BUDGET_FRACTION = 0.85
 #: ``block_size=2`` is recommended while it streams at most this much more than ``block_size=1``:
 #: fewer, larger copies made it 6-15% faster per step on the H100 (``benchmarks/RESULTS.md``).
 _BLOCK_SIZE_2_TOLERANCE = 1.10
@@ -78,8 +76,8 @@ def recommend(
 ) -> Recommendation:
     """The ``vram_budget``, ``block_size``, offload, loss and MLP tiling for a card of ``gpu_memory`` bytes.
 
-    The budget is the card less :data:`CUDA_CONTEXT_RESERVE`, times :data:`BUDGET_FRACTION`,
-    rounded down to a tenth of a GiB.
+    The budget is the card less :data:`CUDA_CONTEXT_RESERVE`, rounded down to a tenth of a GiB: the
+    allocator's headroom is inside the plan (NOTE [ A budget is a cap on the card ] in planning/memory.py).
     Of ``block_size`` 1 and 2 the one that streams fewer bytes under that budget wins, and 2
     also when it streams at most 10% more (it copies faster); when everything fits resident,
     1 (nothing streams).
@@ -101,7 +99,7 @@ def recommend(
         mlp_tile_tokens: The tile of the module's tiled MLPs; ``None``: untiled, or tiled where nothing else fits.
     """
     # Rounded down to a tenth of a GiB, so that it reads as the string to put in a config ("19.5GiB").
-    budget = int((gpu_memory - CUDA_CONTEXT_RESERVE) * BUDGET_FRACTION / _BUDGET_STEP) * _BUDGET_STEP
+    budget = int((gpu_memory - CUDA_CONTEXT_RESERVE) / _BUDGET_STEP) * _BUDGET_STEP
     # NOTE [ Long-context options ]
     # Offload costs host RAM and link traffic but trains the same numbers; the chunked loss is a
     # change to the module and not bit-identical to Hugging Face's (NOTE [ Chunked loss ] in

@@ -26,7 +26,6 @@ from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import Nf4Format, code_table_bytes, nf4_tensor_bytes
 from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
 from lightning_blockwise.planning.recommend import (
-    BUDGET_FRACTION,
     CUDA_CONTEXT_RESERVE,
     RECOMMENDED_MLP_TILE_TOKENS,
     Recommendation,
@@ -308,7 +307,6 @@ def _frozen_bytes(layer: nn.Module, head: nn.Module | None, double_quant: bool) 
 
 # The card recommendation lived here before it moved to `recommend.py`; it stays importable from here.
 __all__ = [
-    "BUDGET_FRACTION",
     "CUDA_CONTEXT_RESERVE",
     "RECOMMENDED_MLP_TILE_TOKENS",
     "ModelSizes",

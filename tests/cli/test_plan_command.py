@@ -127,9 +127,11 @@ def test_long_context_peak_within_10_percent_of_measured() -> None:
 def test_recommendation_for_a_card() -> None:
     sizes = model_sizes(_tiny_llama(), dtype=torch.float32)
     advice = recommend(sizes, gpu_memory=24 * 2**30, tokens=512)
-    assert advice.plan is not None and advice.budget <= 0.85 * 23 * 2**30
+    # The card less 1 GiB for the CUDA context; the allocator's headroom is inside the plan.
+    assert advice.plan is not None and advice.budget <= 23 * 2**30
     # A tiny model fits resident whole: block_size 1, nothing streams.
-    assert advice.block_size == 1 and len(advice.plan.resident) == 4 and advice.plan.predicted_peak <= advice.budget
+    assert advice.block_size == 1 and len(advice.plan.resident) == 4
+    assert advice.plan.predicted_reserved <= advice.budget
     assert recommend(sizes, gpu_memory=2**30 + 1, tokens=512).plan is None
 
 
@@ -166,6 +168,25 @@ def test_plan_help_through_the_console_entry() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "--gpu-memory" in result.stdout and "--seq-len" in result.stdout
+    # The rank under CausalLMFineTune's name, and the first spelling as its alias.
+    assert "--lora-r LORA_R, --lora-rank LORA_R" in result.stdout
+
+
+def test_lora_r_and_its_alias_lora_rank_are_one_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _tiny_llama().save_pretrained(tmp_path)
+
+    def adapter_bytes(*flags: str) -> int:
+        main(["plan", str(tmp_path), "--dtype", "float32", "--json", *flags])
+        return json.loads(capsys.readouterr().out)["adapter_bytes"]
+
+    assert adapter_bytes("--lora-r", "4") == adapter_bytes("--lora-rank", "4") == _adapter_bytes(rank=4)
+    # The control: the flag reaches the sizes (another rank, other bytes; no flag, the default 16).
+    assert adapter_bytes("--lora-r", "8") == _adapter_bytes(rank=8) != _adapter_bytes(rank=4)
+    assert adapter_bytes() == _adapter_bytes(rank=16)
+
+
+def _adapter_bytes(rank: int) -> int:
+    return model_sizes(_tiny_llama(), dtype=torch.float32, lora_rank=rank).trainable_bytes
 
 
 def test_sizes_are_a_dataclass_of_the_config() -> None:
@@ -178,7 +199,8 @@ def test_sizes_are_a_dataclass_of_the_config() -> None:
     [
         ("--seq-len", "0", "argument --seq-len: 0 must be at least 1"),
         ("--batch-size", "-2", "argument --batch-size: -2 must be at least 1"),
-        ("--lora-rank", "0", "argument --lora-rank: 0 must be at least 1"),
+        ("--lora-r", "0", "argument --lora-r/--lora-rank: 0 must be at least 1"),
+        ("--lora-rank", "0", "argument --lora-r/--lora-rank: 0 must be at least 1"),
         ("--block-size", "0", "argument --block-size: 0 must be at least 1"),
         ("--prefetch-depth", "0", "argument --prefetch-depth: 0 must be at least 1"),
         ("--loss-chunk-tokens", "0", "argument --loss-chunk-tokens: 0 must be at least 1"),
@@ -292,10 +314,10 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     assert plain.offload_host_bytes == 0
 
     # At 16384 tokens Hugging Face's loss alone holds 16384 x 152064 x 12 B = 29.9 GB of logits: neither the
-    # plain step nor offload fits the 19.5 GiB budget. The chunked loss (1024 rows) brings every block streamed
-    # to 11.2 GB, so offload is not needed on top of it, and every block fits resident.
+    # plain step nor offload fits the 23.0 GiB budget. The chunked loss (1024 rows) brings every block streamed
+    # to 10.9 GiB with the allocator's headroom, so offload is not needed on top of it, and every block fits resident.
     advice = recommend(seven, card, tokens=16384)
-    assert advice.budget == int(19.5 * 2**30 / (2**30 // 10)) * (2**30 // 10)
+    assert advice.budget == int(23 * 2**30 / (2**30 // 10)) * (2**30 // 10)
     for offload in (False, True):
         assert seven.residency(16384, 1, 2, offload_inputs=offload).minimum > advice.budget
     assert (advice.offload_activations, advice.loss_chunk_tokens, advice.offload_host_bytes) == (False, 1024, 0)
@@ -323,8 +345,8 @@ def test_recommendation_keeps_the_options_the_user_gave() -> None:
     assert not recommend(seven, 16 * 2**30, tokens=32768, offload=False).offload_activations
     forced = recommend(seven, 24 * 2**30, tokens=2048, offload=True)
     assert forced.offload_activations and forced.loss_chunk_tokens is None
-    # A chunk the module already uses is kept; at 32k tokens on 16 GiB it fits with offload (12.8 GB streamed,
-    # a 13.6 GB budget) but not without, so offload is added and no tiling.
+    # A chunk the module already uses is kept; at 32k tokens on 16 GiB it fits with offload (13.2 GiB streamed
+    # with the allocator's headroom, a 15.0 GiB budget) but not without, so offload is added and no tiling.
     advice = recommend(seven, 16 * 2**30, tokens=32768, loss_chunk_tokens=512)
     assert seven.residency(32768, offload_inputs=False, loss_chunk_tokens=512).minimum > advice.budget
     assert seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum <= advice.budget
@@ -344,7 +366,7 @@ def test_plan_json_and_table_carry_the_long_context_options(
     assert advice["fits"] and advice["offload_activations"] and advice["loss_chunk_tokens"] == 1024
     assert advice["offload_host_bytes"] == 64 * 16384 * 5120 * 2
     assert advice["host_pinned_bytes"] == report["host_arena_bytes"] + advice["offload_host_bytes"]
-    assert advice["strategy_settings"] == {"vram_budget": "19.5GiB", "block_size": 2, "offload_activations": True}
+    assert advice["strategy_settings"] == {"vram_budget": "23.0GiB", "block_size": 1, "offload_activations": True}
     assert advice["model_settings"] == {"loss_chunk_tokens": 1024} and advice["mlp_tile_tokens"] is None
 
     chunked = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--loss-chunk-tokens", "1024")
@@ -354,7 +376,7 @@ def test_plan_json_and_table_carry_the_long_context_options(
     monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table
     main(["plan", str(tmp_path), "--seq-len", "16384", "--gpu-memory", "24GiB"])
     out = capsys.readouterr().out
-    assert "vram_budget: 19.5GiB, block_size: 2, offload_activations: true: predicted peak" in out
+    assert "vram_budget: 23.0GiB, block_size: 1, offload_activations: true: predicted peak" in out
     assert "use chunked_causal_lm_loss(..., chunk_tokens=1024) / CausalLMFineTune(loss_chunk_tokens=1024)" in out
     assert "offloaded to pinned host memory (offload_activations: auto" in out
     assert re.search(rf"host RAM, offloaded layer inputs\W+{64 * 16384 * 5120 * 2 / 1e9:.2f} GB pinned", out)
@@ -399,24 +421,25 @@ def test_recommendation_tiles_the_mlp_last() -> None:
     seventy_two = model_sizes(_qwen25_72b(), dtype=torch.bfloat16, lora_rank=16)
     card, tokens = 24 * 2**30, 32768
     advice = recommend(seventy_two, card, tokens)
-    # Qwen2.5-72B at 32k tokens on a 24 GiB card (a 19.5 GiB budget): offload and the chunked loss still leave
-    # one layer's backward at 17.0 GB (an untiled MLP on 32768 tokens), so every block streamed needs 27.4 GiB.
-    # Tiles of 4096 tokens bring that layer to 6.8 GB and the step to 17.7 GiB streamed: all three are picked.
+    # Qwen2.5-72B at 32k tokens on a 24 GiB card (a 23.0 GiB budget): offload and the chunked loss still leave
+    # one layer's backward at 17.0 GB (an untiled MLP on 32768 tokens), so every block streamed needs 27.3 GiB
+    # with the allocator's headroom. Tiles of 4096 tokens bring that layer to 6.8 GB and the step to 19.5 GiB
+    # streamed: all three are picked.
     assert seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024).minimum > advice.budget
     assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 1024, 4096)
-    assert advice.plan is not None and advice.plan.predicted_peak <= advice.budget
+    assert advice.plan is not None and advice.plan.predicted_reserved <= advice.budget
     tiled = seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024, mlp_tile_tokens=4096)
     assert advice.minimum == tiled.minimum
-    # Block size 2 streams the same bytes (nothing is resident either way) in fewer, larger copies.
-    assert advice.block_size == 2 and advice.plan.resident == ()
-    assert round(advice.plan.predicted_peak / 1e9, 2) == 20.36
+    # Block size 2: two blocks (four layers) fit resident, and the rest stream in fewer, larger copies.
+    assert advice.block_size == 2 and advice.plan.resident == (0, 1)
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 22.17
     assert advice.offload_host_bytes == 80 * tokens * 8192 * 2
 
     # A tile the module already uses is kept from the first option on: at 4096 tokens the plain step fits.
     given = recommend(seventy_two, card, 4096, mlp_tile_tokens=2048)
     assert (given.offload_activations, given.loss_chunk_tokens, given.mlp_tile_tokens) == (False, None, 2048)
     assert given.minimum == seventy_two.residency(4096, mlp_tile_tokens=2048).minimum
-    # Nothing fits 32k tokens on a 16 GiB card (12.7 GiB budget, 17.7 GiB needed with all three), and the minimum
+    # Nothing fits 32k tokens on a 16 GiB card (15.0 GiB budget, 19.5 GiB needed with all three), and the minimum
     # says so for the smallest step tried.
     short = recommend(seventy_two, 16 * 2**30, tokens)
     assert short.plan is None and short.minimum == advice.minimum > short.budget
@@ -431,7 +454,7 @@ def test_plan_json_and_table_carry_the_tiled_mlp(
     assert report["mlp_tile_tokens"] is None
     advice = report["recommendation"]
     assert advice["fits"] and (advice["loss_chunk_tokens"], advice["mlp_tile_tokens"]) == (1024, 4096)
-    assert advice["strategy_settings"] == {"vram_budget": "19.5GiB", "block_size": 2, "offload_activations": True}
+    assert advice["strategy_settings"] == {"vram_budget": "23.0GiB", "block_size": 2, "offload_activations": True}
     assert advice["model_settings"] == {"loss_chunk_tokens": 1024, "mlp_tile_tokens": 4096}
 
     monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table

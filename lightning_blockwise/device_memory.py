@@ -1,0 +1,124 @@
+"""The caching allocator under a ``vram_budget``: expandable segments on, and the budget as its cap."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lightning_blockwise.planning.units import format_gib
+
+# NOTE [ Expandable segments ]
+# The headroom a budget leaves over the predicted peak (NOTE [ A budget is a cap on the card ]
+# in planning/memory.py) was measured with the allocator's expandable segments on; without them
+# the allocator keeps whole segments that a cap cannot hand out again, and 1.10x ran out of memory.
+# So the strategy turns them on for a CUDA run, unless PYTORCH_CUDA_ALLOC_CONF names
+# `expandable_segments` (the user's choice stands; a budget with them off is refused, since it
+# could not keep its promise). Torch reads PYTORCH_CUDA_ALLOC_CONF once, when it is imported, so
+# setting the variable later changes nothing: the setting goes through
+# `torch.cuda.memory._set_allocator_settings` (torch 2.11; torch 2.13 deprecates it for
+# `torch._C._accelerator_setAllocatorSettings`, used where it exists), the only way after import:
+# there is no public one. It applies to the segments mapped from then on; teardown puts back the
+# default. Whether they are on is known from the variable alone (off unless it names them), so no
+# getter is needed (torch 2.11 has none).
+
+_CONF_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+@dataclass
+class DeviceMemoryCap:
+    """What :func:`apply_cap` changed on a CUDA device, to put back with :meth:`restore`.
+
+    Attributes:
+        device: The CUDA device.
+        fraction: The per-process memory fraction found (``None``: left unchanged).
+        segments_turned_on: Whether expandable segments were off and turned on.
+    """
+
+    device: torch.device
+    fraction: float | None
+    segments_turned_on: bool
+
+    def restore(self) -> None:
+        """Put back the per-process fraction and the allocator setting found."""
+        if self.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self.fraction, self.device)
+        if self.segments_turned_on:
+            _set_allocator_settings("expandable_segments:False")
+
+
+def expandable_segments_choice() -> bool | None:
+    """The user's ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``, or ``None`` when it is not named."""
+    for entry in os.environ.get(_CONF_VARIABLE, "").split(","):
+        key, _, value = entry.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return None
+
+
+def check_cap(device: torch.device, budget: int | None) -> None:
+    """Refuse a ``budget`` that cannot be kept on a CUDA ``device``, before anything is changed or built.
+
+    Raises:
+        ValueError: If ``budget`` is given while ``PYTORCH_CUDA_ALLOC_CONF`` turns expandable
+            segments off, or exceeds the card or a per-process cap already set; says the fix.
+    """
+    if budget is None:
+        return
+    if expandable_segments_choice() is False:
+        raise ValueError(
+            f"{_CONF_VARIABLE} turns expandable segments off, and without them the caching allocator cannot be held"
+            f" to the budget of {format_gib(budget)} (it ran out of memory under a cap of 1.10x its allocated peak)."
+            f" Remove `expandable_segments:False` from {_CONF_VARIABLE}, or leave `vram_budget` unset."
+        )
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    limit = int(fraction * torch.cuda.get_device_properties(device).total_memory)
+    if budget > limit:
+        cap = "the card's memory" if fraction >= 1.0 else "the cap set with `set_per_process_memory_fraction`"
+        raise ValueError(
+            f"the budget of {format_gib(budget)} is more than {cap}, {format_gib(limit)}. Lower it to at most"
+            f" {format_gib(limit)}."
+        )
+
+
+def apply_cap(device: torch.device, budget: int | None) -> tuple[DeviceMemoryCap, list[str]]:
+    """Turn on expandable segments and cap the allocator at ``budget`` on a CUDA ``device``.
+
+    NOTE [ Expandable segments ], NOTE [ A budget is a cap on the card ] in planning/memory.py.
+
+    Args:
+        device: A CUDA device.
+        budget: The ``vram_budget`` in bytes, or ``None`` (segments only, no cap).
+
+    Returns:
+        What to restore at teardown, and one line per change for the log.
+
+    Raises:
+        ValueError: As :func:`check_cap`.
+    """
+    check_cap(device, budget)
+    changes = []
+    turned_on = expandable_segments_choice() is None
+    if turned_on:
+        _set_allocator_settings("expandable_segments:True")
+        # Segments mapped before stay as they were; those the packed base left free are returned now, so
+        # that the run's memory comes from expandable ones.
+        torch.cuda.empty_cache()
+        changes.append(f"expandable segments turned on ({_CONF_VARIABLE}=expandable_segments:False keeps them off)")
+    if budget is None:
+        return DeviceMemoryCap(device, None, turned_on), changes
+    found = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(device).total_memory, device)
+    changes.append(f"the caching allocator capped at {format_gib(budget)}")
+    return DeviceMemoryCap(device, found, turned_on), changes
+
+
+def _set_allocator_settings(setting: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(setting)
+
+
+__all__ = ["DeviceMemoryCap", "apply_cap", "check_cap", "expandable_segments_choice"]

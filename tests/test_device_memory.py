@@ -1,0 +1,107 @@
+"""The allocator under a budget: the user's PYTORCH_CUDA_ALLOC_CONF read, bad budgets refused, the cap set and put back.
+
+The CUDA calls are stood in for on the CPU; `tests/gpu/test_gpu_budget.py` runs the real ones.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_blockwise.device_memory import apply_cap, check_cap, expandable_segments_choice
+
+CARD = 80 * 2**30
+DEVICE = torch.device("cuda", 0)
+
+
+class _FakeCuda:
+    """The per-process fraction and the allocator setting of one fake card."""
+
+    def __init__(self, fraction: float = 1.0, settings: str = "") -> None:
+        self.fraction = fraction
+        self.settings = settings
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=CARD))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: self.fraction)
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self._set_fraction)
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", self._set_settings, raising=False)
+
+    def _set_fraction(self, fraction: float, device: Any) -> None:
+        self.fraction = fraction
+
+    def _set_settings(self, settings: str) -> None:
+        self.settings = settings
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        ("", None),
+        ("max_split_size_mb:128", None),
+        ("expandable_segments:True", True),
+        ("max_split_size_mb:128, expandable_segments:False", False),
+    ],
+)
+def test_the_users_choice_is_read(monkeypatch: pytest.MonkeyPatch, conf: str, expected: bool | None) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert expandable_segments_choice() is expected
+
+
+def test_budget_becomes_the_cap_and_teardown_puts_back_what_it_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cuda = _FakeCuda(fraction=0.9)
+    cuda.install(monkeypatch)
+    cap, changes = apply_cap(DEVICE, 20 * 2**30)
+    assert cuda.fraction == 20 / 80 and cuda.settings == "expandable_segments:True"
+    assert len(changes) == 2 and "expandable segments turned on" in changes[0] and "20.00 GiB" in changes[1]
+    cap.restore()
+    assert cuda.fraction == 0.9 and cuda.settings == "expandable_segments:False"
+
+
+def test_no_budget_turns_on_segments_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    cap, changes = apply_cap(DEVICE, None)
+    assert cuda.fraction == 1.0 and cuda.settings == "expandable_segments:True" and len(changes) == 1
+    cap.restore()
+    assert cuda.settings == "expandable_segments:False"
+
+
+def test_the_users_setting_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Named by the user (on or off): left alone, and without a budget nothing else changes either.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    cuda = _FakeCuda(settings="expandable_segments:False")
+    cuda.install(monkeypatch)
+    cap, changes = apply_cap(DEVICE, None)
+    assert changes == [] and cuda.settings == "expandable_segments:False"
+    cap.restore()
+    assert cuda.settings == "expandable_segments:False" and cuda.fraction == 1.0
+
+
+@pytest.mark.parametrize(
+    ("conf", "fraction", "budget", "match"),
+    [
+        ("expandable_segments:False", 1.0, 20 * 2**30, "Remove `expandable_segments:False`"),
+        ("", 1.0, 81 * 2**30, r"more than the card's memory, 80.00 GiB. Lower it to at most 80.00 GiB"),
+        ("", 0.25, 21 * 2**30, r"more than the cap set with `set_per_process_memory_fraction`, 20.00 GiB"),
+    ],
+)
+def test_a_budget_that_cannot_be_kept_is_refused_before_anything_changes(
+    monkeypatch: pytest.MonkeyPatch, conf: str, fraction: float, budget: int, match: str
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    cuda = _FakeCuda(fraction=fraction)
+    cuda.install(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        check_cap(DEVICE, budget)
+    with pytest.raises(ValueError, match=match):
+        apply_cap(DEVICE, budget)
+    assert cuda.fraction == fraction and cuda.settings == ""
+    # Control arm: the same card takes a budget within it.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    check_cap(DEVICE, int(fraction * CARD))
