@@ -19,21 +19,23 @@ from lightning_blockwise.planning.units import format_gib
 # setting the variable later changes nothing: the setting goes through
 # `torch.cuda.memory._set_allocator_settings` (torch 2.11; torch 2.13 deprecates it for
 # `torch._C._accelerator_setAllocatorSettings`, used where it exists), the only way after import:
-# there is no public one. It applies to the segments mapped from then on; teardown puts back the
-# default. Whether they are on is known from the variable alone (off unless it names them), so no
-# getter is needed (torch 2.11 has none).
+# there is no public one. It applies to the segments mapped from then on, and stays on for the
+# rest of the process: turned off again at teardown, a second `fit` in the same process ran out of
+# memory under its cap with 2.6 GiB reserved and free (H100, 7B, 16k tokens, an 8.5 GiB budget;
+# the same run passed in a fresh process). Whether they are on is known from the variable alone
+# (off unless it names them), so no getter is needed (torch 2.11 has none).
 
 _CONF_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 @dataclass
 class DeviceMemoryCap:
-    """What :func:`apply_cap` changed on a CUDA device, to put back with :meth:`restore`.
+    """What :func:`apply_cap` changed on a CUDA device; :meth:`restore` puts back the cap.
 
     Attributes:
         device: The CUDA device.
         fraction: The per-process memory fraction found (``None``: left unchanged).
-        segments_turned_on: Whether expandable segments were off and turned on.
+        segments_turned_on: Whether expandable segments were turned on (they stay on).
     """
 
     device: torch.device
@@ -41,11 +43,9 @@ class DeviceMemoryCap:
     segments_turned_on: bool
 
     def restore(self) -> None:
-        """Put back the per-process fraction and the allocator setting found."""
+        """Put back the per-process fraction found; expandable segments stay on (NOTE [ Expandable segments ])."""
         if self.fraction is not None:
             torch.cuda.set_per_process_memory_fraction(self.fraction, self.device)
-        if self.segments_turned_on:
-            _set_allocator_settings("expandable_segments:False")
 
 
 def expandable_segments_choice() -> bool | None:

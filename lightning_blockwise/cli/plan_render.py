@@ -154,7 +154,8 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
     rows = [
         (
             card,
-            f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])},"
+            f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])} allocated"
+            f" ({format_gb(advice['predicted_reserved_bytes'])} with the allocator's headroom),"
             f" {advice['resident_blocks']} blocks resident",
         )
     ]
