@@ -1,8 +1,9 @@
-"""The ``lightning-blockwise`` command: Lightning's CLI with the ``"blockwise"`` strategy registered, and ``plan``.
+"""The ``lightning-blockwise`` command: Lightning's CLI with the ``"blockwise"`` strategy, ``plan`` and ``export``.
 
 Any LightningModule and LightningDataModule can be named in the config by ``class_path``;
 ``trainer.strategy`` takes ``blockwise`` or ``class_path: lightning_blockwise.BlockwiseStrategy``.
-``plan`` predicts a run's host RAM and VRAM from a checkpoint's ``config.json`` alone.
+``plan`` predicts a run's host RAM and VRAM from a checkpoint's ``config.json`` alone; ``export``
+writes a trained adapter, or merges it into its base.
 
 Example::
 
@@ -10,6 +11,7 @@ Example::
     lightning-blockwise fit --config configs/demo.yaml --trainer.max_steps=20 --print_config
     python -m lightning_blockwise validate --config configs/demo.yaml
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --gpu-memory 24GiB
+    lightning-blockwise export runs/adapter /models/Qwen2.5-7B out/merged --merge bf16
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ from typing_extensions import override
 # Imported for its side effect: registering "blockwise" in Lightning's strategy registry
 # before the parser resolves `trainer.strategy`.
 import lightning_blockwise  # noqa: F401
+from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
+
+#: What ``lightning-blockwise --help`` says: every command, LightningCLI's and the two dispatched by `main`.
+DESCRIPTION = (
+    "Lightning's Trainer command line with the `blockwise` strategy registered (`--trainer.strategy=blockwise`)."
+    " Commands: fit, validate, test, predict (the Trainer's, below);"
+    f" {PLAN_COMMAND} (predict a model's host RAM and VRAM from its config, no weights read);"
+    f" {EXPORT_COMMAND} (write a trained adapter as a PEFT directory, or merged into its base, streamed layer by"
+    " layer). `lightning-blockwise COMMAND --help` describes each."
+)
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
@@ -58,8 +70,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         subclass_mode_data=True,
         parser_kwargs={
             "prog": "lightning-blockwise",
-            "description": "Lightning's Trainer command line, with `--trainer.strategy=blockwise` available."
-            " `lightning-blockwise plan --help` predicts a model's host RAM and VRAM from its config.",
+            "description": DESCRIPTION,
         },
         args=args,
         run=run,
@@ -136,8 +147,10 @@ def main(args: ArgsType = None) -> None:
     # Return nothing: a console script's return value becomes the process's exit status.
     if isinstance(argv, list) and argv[:1] == [PLAN_COMMAND]:
         plan(argv[1:])
+    elif isinstance(argv, list) and argv[:1] == [EXPORT_COMMAND]:
+        export_command(argv[1:])
     else:
         build_cli(args)
 
 
-__all__ = ["build_cli", "main", "plan", "plan_report"]
+__all__ = ["build_cli", "export_command", "main", "plan", "plan_report"]

@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -19,16 +21,20 @@ from peft import PeftModel
 # files is refused unless the caller asks to overwrite, and that refusal is checked when the
 # run starts (`check_export_target`), not when it ends: no run may die at its end with its
 # work unsaved. If the target fills up during the run anyway, the adapter goes to a fresh
-# sibling directory with a warning instead of being lost.
+# sibling directory with a warning instead of being lost. `lightning-blockwise export` writes a
+# merged model the same way (`staged_directory`).
 
 
-def check_export_target(target: str | Path, overwrite: bool, owner: str) -> None:
+def check_export_target(
+    target: str | Path, overwrite: bool, owner: str, overwrite_hint: str = "`overwrite_adapter=True`"
+) -> None:
     """Refuse, before training, a target directory that would be overwritten without being asked to.
 
     Args:
         target: Where the adapter will be written.
         overwrite: Whether replacing an existing adapter there is wanted.
         owner: Who exports, for the message (e.g. ``"CausalLMFineTune(adapter_dir=...)"``).
+        overwrite_hint: How ``owner``'s caller allows replacing, for the message (e.g. ``"`--overwrite`"``).
 
     Raises:
         MisconfigurationException: If ``target`` is a file, or a non-empty directory and ``overwrite`` is off.
@@ -38,8 +44,8 @@ def check_export_target(target: str | Path, overwrite: bool, owner: str) -> None
         raise MisconfigurationException(f"{owner}: {path} is a file, not a directory to write the adapter into.")
     if not overwrite and _holds_files(path):
         raise MisconfigurationException(
-            f"{owner}: {path} already holds files, which the adapter export would replace. Choose another"
-            " directory, empty it, or allow replacing it (`overwrite_adapter=True`)."
+            f"{owner}: {path} already holds files, which the export would replace. Choose another"
+            f" directory, empty it, or allow replacing it ({overwrite_hint})."
         )
 
 
@@ -63,10 +69,32 @@ def export_adapter(model: PeftModel, target: str | Path, overwrite: bool = False
             f"{target} gained files during the run; the adapter goes to {fallback} instead of replacing them."
         )
         target = fallback
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
         model.save_pretrained(staging, save_embedding_layers=False)
+    return target
+
+
+@contextmanager
+def staged_directory(target: str | Path) -> Iterator[Path]:
+    """A temporary directory beside ``target`` that replaces it when the block ends without an error.
+
+    NOTE [ Atomic adapter export ]: whatever the block writes appears at ``target`` all at once,
+    replacing what was there; if the block raises, the staging directory is removed and ``target``
+    is left as it was. Refusing to replace files is the caller's decision (:func:`check_export_target`).
+
+    Args:
+        target: The directory to create or replace; its parent is created if needed.
+
+    Yields:
+        The staging directory to write into (on the same file system as ``target``, so the final rename
+        is atomic).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        yield staging
         if target.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
             os.replace(target, retired / target.name)
@@ -77,11 +105,10 @@ def export_adapter(model: PeftModel, target: str | Path, overwrite: bool = False
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _holds_files(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
 
 
-__all__ = ["check_export_target", "export_adapter"]
+__all__ = ["check_export_target", "export_adapter", "staged_directory"]

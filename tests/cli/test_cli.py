@@ -204,3 +204,18 @@ def test_missing_ckpt_path_is_refused_before_the_model_is_built(
     # Control arm: the recorder sees a model that is made.
     build_cli(["--config", str(DEMO_CONFIG), *_into(tmp_path)], run=False)
     assert built == ["init"]
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for command in ("fit", "validate", "test", "predict", "plan", "export"):
+        assert re.search(rf"\b{command}\b", text), command
+    # Each command it lists answers `--help` with its own usage: the list is of commands that exist.
+    for command, usage in (("plan", "plan"), ("export", "export"), ("fit", "[options] fit")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: lightning-blockwise {usage} ")

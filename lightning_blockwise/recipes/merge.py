@@ -1,0 +1,214 @@
+"""Export a trained adapter, or a model with it merged in, streaming the base one tensor at a time.
+
+:func:`export` writes the PEFT adapter (``merge="none"``) or a merged model that
+``AutoModelForCausalLM.from_pretrained`` loads: dense (``"bf16"``, ``"fp32"``) or re-quantized NF4
+(``"nf4"``). The base is read from its safetensors shards one tensor at a time and each 4-bit weight
+is quantized as training quantized it, dequantized, given the adapter's delta and written
+(NOTE [ What a merge adds ] in merge_weights.py) into shards that are written as they fill
+(NOTE [ Streamed safetensors shards ] in merge_shards.py): host memory and device memory hold one
+weight and its intermediates, whatever the size of the model. The output appears at once and
+replaces nothing by accident (NOTE [ Atomic adapter export ] in export.py).
+
+Example::
+
+    export("runs/qwen/adapter", "/models/Qwen2.5-72B", "/models/Qwen2.5-72B-tuned", merge="bf16", device="cuda")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from lightning_blockwise.planning import parse_bytes
+from lightning_blockwise.recipes.export import check_export_target, staged_directory
+from lightning_blockwise.recipes.merge_card import write_model_files
+from lightning_blockwise.recipes.merge_plan import COMPUTE_DTYPES, DENSE_DTYPES, MergePlan, check_disk, plan_merge
+from lightning_blockwise.recipes.merge_shards import ShardWriter
+from lightning_blockwise.recipes.merge_sources import open_adapter
+from lightning_blockwise.recipes.merge_weights import (
+    dequantized,
+    lora_delta,
+    quantized_as_trained,
+    requantized,
+    saved_entries,
+)
+
+#: ``merge``'s choices: the PEFT adapter alone, a dense model in bf16 or fp32, a re-quantized NF4 model.
+MERGE_CHOICES = ("none", *DENSE_DTYPES, "nf4")
+#: ``save_pretrained``'s default shard cap.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_OWNER = "lightning-blockwise export"
+
+
+def export(
+    adapter: str | Path,
+    base: str | Path,
+    target: str | Path,
+    *,
+    merge: str = "none",
+    merge_into_original: bool = False,
+    device: str | torch.device = "cpu",
+    compute_dtype: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write ``adapter`` as a PEFT adapter, or merged into ``base`` as a model ``from_pretrained`` loads.
+
+    Every check (arguments, target, adapter, base files and keys, shapes, disk space) runs before
+    the first weight is read. The merge reads the base one tensor at a time; see the module
+    docstring and NOTE [ What a merge adds ] in merge_weights.py for what is computed.
+
+    Args:
+        adapter: A PEFT adapter directory, or a ``.ckpt`` of ``CausalLMFineTune``.
+        base: The local checkpoint the adapter was trained on (safetensors; unquantized, or NF4 as saved
+            by bitsandbytes).
+        target: The directory to write; refused if it holds files unless ``overwrite``.
+        merge: ``"none"``: the PEFT adapter; ``"bf16"`` / ``"fp32"``: a dense model, dequant(NF4) + delta
+            cast to that dtype; ``"nf4"``: dequant(NF4) + delta re-quantized to NF4 as PEFT's ``merge_and_unload``
+            does, weights without an adapter kept as trained.
+        merge_into_original: Add the delta to the checkpoint's own weights instead of to dequant(NF4): a
+            model other than the one trained (its ``config.json`` and ``README.md`` say so).
+        device: Where to quantize, dequantize and add (``"cpu"``, ``"cuda"``, ``"cuda:1"``). Use the device
+            training loaded the base on: NF4 quantization on the CPU and on a GPU can differ.
+        compute_dtype: The dtype training loaded the base in (``CausalLMFineTune(compute_dtype=...)``), which
+            decides the NF4 bytes; ``None``: the checkpoint's hyperparameter, else ``"bfloat16"``.
+        max_shard_size: The cap on each output shard (``"5GB"``, ``"500MiB"``, or bytes).
+        overwrite: Replace what ``target`` holds (atomically).
+        progress: Show a progress bar over the bytes written.
+
+    Returns:
+        ``target``.
+
+    Raises:
+        MisconfigurationException: If an argument is out of range, ``target`` holds files without
+            ``overwrite``, the adapter or base is missing, incomplete or mismatched, the adapter uses a
+            setting a merge does not support, or the disk lacks room for the output.
+    """
+    target = Path(target)
+    mode = _check_arguments(merge, merge_into_original, compute_dtype)
+    shard_cap = _shard_cap(max_shard_size)
+    torch_device = _device(device)
+    check_export_target(target, overwrite, _OWNER, overwrite_hint="`--overwrite`")
+    with open_adapter(adapter) as trained:
+        if mode != "none":
+            trained.check_mergeable()
+        # Planned for the adapter alone too: it checks the adapter against the base it names.
+        with plan_merge(trained, Path(base), mode, merge_into_original, torch_device, compute_dtype) as plan:
+            if mode == "none":
+                with staged_directory(target) as staging:
+                    trained.write_peft(staging, plan.base)
+                return target
+            check_disk(target, plan)
+            with staged_directory(target) as staging:
+                _write_weights(plan, staging, shard_cap, progress)
+                dtype = DENSE_DTYPES.get(mode, plan.compute_dtype)
+                quantization = plan.bnb_config if mode == "nf4" else None
+                write_model_files(plan.base, staging, plan.config, dtype, quantization, _card_facts(plan))
+    return target
+
+
+def _check_arguments(merge: str, merge_into_original: bool, compute_dtype: str | None) -> str:
+    if merge not in MERGE_CHOICES:
+        raise MisconfigurationException(f"{_OWNER}: --merge {merge!r} is not one of {', '.join(MERGE_CHOICES)}.")
+    if merge_into_original and merge == "none":
+        raise MisconfigurationException(
+            f"{_OWNER}: --merge-into-original needs a merge; give --merge bf16, fp32 or nf4 as well."
+        )
+    if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+        raise MisconfigurationException(
+            f"{_OWNER}: --compute-dtype {compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}; give the"
+            " `compute_dtype` training used."
+        )
+    return merge
+
+
+def _shard_cap(max_shard_size: int | str) -> int:
+    try:
+        return parse_bytes(max_shard_size)
+    except ValueError as error:
+        raise MisconfigurationException(f"{_OWNER}: --max-shard-size: {error}") from None
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise MisconfigurationException(f"{_OWNER}: --device {device!r} is not a device; give cpu or cuda.") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise MisconfigurationException(f"{_OWNER}: --device {device} needs CUDA, which torch does not find here.")
+    if resolved.type not in ("cpu", "cuda"):
+        raise MisconfigurationException(f"{_OWNER}: --device {device}: only cpu and cuda are supported.")
+    return resolved
+
+
+def _write_weights(plan: MergePlan, staging: Path, shard_cap: int, progress: bool) -> None:
+    writer = ShardWriter(staging, shard_cap, plan.planned)
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=_OWNER, disable=not progress)
+    try:
+        for key in plan.order:
+            for name, tensor in _merged(plan, key).items():
+                writer.write(name, tensor)
+                bar.update(tensor.nbytes)
+        writer.finish()
+    finally:
+        writer.close()
+        bar.close()
+
+
+def _merged(plan: MergePlan, key: str) -> dict[str, Tensor]:
+    """The output tensors of one checkpoint key, on the CPU (NOTE [ What a merge adds ] in merge_weights.py)."""
+    name = key.removesuffix(".weight")
+    lora = plan.adapter.modules.get(name) if key.endswith(".weight") else None
+    delta = None
+    if lora is not None:
+        lora_a, lora_b = plan.adapter.weights(name, plan.device)
+        delta = lora_delta(lora_a, lora_b, lora.scaling)
+    module = plan.four_bit.get(key)
+    if module is None:
+        replacement = plan.adapter.replacements.get(key)
+        raw = plan.keys[key].get_tensor(key) if replacement is None else plan.adapter.read(replacement)
+        if delta is None:
+            return {key: raw.to(plan.output_dtype(raw))}
+        # An unquantized linear with an adapter (e.g. a skipped module): its trained weight is the one loaded.
+        base = raw.to(plan.device) if plan.into_original else raw.to(plan.device, plan.compute_dtype)
+        return {key: (base + delta).to(plan.output_dtype(raw)).cpu()}
+    if plan.into_original and (plan.mode != "nf4" or delta is not None):
+        original = plan.keys[key].get_tensor(key).to(plan.device)
+        value = original if delta is None else original + delta
+        if plan.mode == "nf4":
+            return saved_entries(key, requantized(module, value, plan.device))
+        return {key: value.to(DENSE_DTYPES[plan.mode]).cpu()}
+    with quantized_as_trained(module, key, plan.keys, plan.device, plan.compute_dtype, plan.pre_quantized) as weight:
+        if plan.mode == "nf4" and delta is None:
+            return saved_entries(key, weight)
+        value = dequantized(weight)
+        if delta is not None:
+            value = value + delta
+        if plan.mode == "nf4":
+            return saved_entries(key, requantized(module, value, plan.device))
+        return {key: value.to(DENSE_DTYPES[plan.mode]).cpu()}
+
+
+def _card_facts(plan: MergePlan) -> dict[str, Any]:
+    """What the written ``config.json`` and ``README.md`` record about the merge."""
+    return {
+        "merge": plan.mode,
+        "merged_into": "original" if plan.into_original else "dequantized_nf4",
+        "compute_dtype": str(plan.compute_dtype).removeprefix("torch."),
+        "device": plan.device.type,
+        "adapter": str(plan.adapter.source.resolve()),
+        "base": str(plan.base.resolve()),
+        "trained_on": plan.adapter.trained_on,
+        "pre_quantized_base": plan.pre_quantized,
+        "adapted_linears": len(plan.adapter.modules),
+        "tensors_saved_with_the_adapter": sorted(plan.adapter.replacements),
+    }
+
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "MERGE_CHOICES", "export"]

@@ -1,0 +1,378 @@
+"""The adapter an export merges: read from a PEFT adapter directory or a ``CausalLMFineTune`` checkpoint.
+
+Both are opened lazily (the safetensors file memory-mapped, the checkpoint ``torch.load``-ed
+with ``mmap=True``), checked for what a merge supports, and presented as one
+:class:`TrainedAdapter`: LoRA ``A`` and ``B`` per module and each module's scaling, read the way
+PEFT reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from bitsandbytes.nn import Linear4bit
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from peft import LoraConfig
+from peft.utils.other import get_pattern_key
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+#: The files of a PEFT adapter directory, as ``PeftModel.save_pretrained`` writes them.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# A key of PEFT's saved adapter (`base_model.model.<module>.lora_A.weight`) and of a LightningModule's
+# state dict around a PeftModel (`model.base_model.model.<module>.lora_A.default.weight`).
+_SAVED_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<part>lora_[A-Za-z_]+)(?P<rest>(\.[^.]+)*)$")
+_CKPT_KEY = re.compile(
+    r"(.+\.)?base_model\.model\.(?P<module>.+)\.(?P<part>lora_[A-Za-z_]+)\.(?P<adapter>[^.]+)(?P<rest>(\.[^.]+)*)$"
+)
+# A base tensor PEFT saves with the adapter (`save_embedding_layers`: the embedding and the LM head when they are
+# adapted or resized), which PEFT loads over the base's own.
+_SAVED_BASE_KEY = re.compile(r"base_model\.model\.(?P<key>.+)$")
+# Adapter settings a merge does not fold in, with why, checked on the config.
+_UNSUPPORTED = {
+    "use_dora": "DoRA rescales every row by its magnitude vector over the weight's norm; merging it is not supported"
+    " yet. Export the adapter (`--merge none`) and load it with PEFT over the NF4 base",
+    "lora_bias": "the adapter trains a bias on lora_B (`lora_bias=True`), which the merge does not fold in",
+    "fan_in_fan_out": "the adapter is for transposed (Conv1D, GPT-2 style) weights, which decoder-only checkpoints"
+    " loaded as NF4 do not have",
+    "modules_to_save": "the adapter replaces whole modules (`modules_to_save`), which the merge does not write",
+    "trainable_token_indices": "the adapter trains token embeddings (`trainable_token_indices`), which the merge"
+    " does not write",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) applies only after its invocation tokens and cannot be merged",
+    "layer_replication": "the adapter replicates layers (`layer_replication`), which the merge does not write",
+}
+# Hyperparameters of `CausalLMFineTune` a checkpoint must hold to say how its adapters scale.
+_HPARAMS = ("lora_r", "lora_alpha", "use_dora", "compute_dtype")
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted linear: where its ``A`` and ``B`` are in the source, its rank and scaling.
+
+    Attributes:
+        name: The linear's name in the Hugging Face model (``model.layers.0.self_attn.q_proj``).
+        lora_a: The source key of ``lora_A``'s weight, ``(rank, in_features)``.
+        lora_b: The source key of ``lora_B``'s weight, ``(out_features, rank)``.
+        magnitude: The source key of DoRA's magnitude vector, ``None`` for LoRA.
+        scaling: ``lora_alpha / rank``, or ``lora_alpha / sqrt(rank)`` with rsLoRA (PEFT's ``update_layer``).
+    """
+
+    name: str
+    lora_a: str
+    lora_b: str
+    magnitude: str | None
+    scaling: float
+
+
+@dataclass(frozen=True)
+class TrainedAdapter:
+    """A LoRA adapter to export or merge, open for reading.
+
+    Attributes:
+        source: The adapter directory or checkpoint file.
+        config: The adapter's PEFT config.
+        modules: Adapted linear name -> its :class:`LoraModule`.
+        replacements: Base checkpoint key -> the source key of the tensor saved with the adapter that PEFT loads
+            in its place (``save_embedding_layers``).
+        compute_dtype: The compute dtype training loaded the base in, if the source says (a checkpoint does).
+        trained_on: The base checkpoint training used, if the source says.
+        read: Source key -> the tensor (memory-mapped where the source allows).
+        shape: Source key -> the tensor's shape, without reading it.
+    """
+
+    source: Path
+    config: LoraConfig
+    modules: dict[str, LoraModule]
+    replacements: dict[str, str]
+    compute_dtype: torch.dtype | None
+    trained_on: str | None
+    read: Callable[[str], Tensor]
+    shape: Callable[[str], tuple[int, ...]]
+
+    def weights(self, name: str, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``lora_A`` and ``lora_B``'s weights of the linear ``name``, on ``device``."""
+        module = self.modules[name]
+        return self.read(module.lora_a).to(device), self.read(module.lora_b).to(device)
+
+    def check_mergeable(self) -> None:
+        """Refuse an adapter with a setting the merge does not fold in (DoRA, ``lora_bias``, ``modules_to_save``, ...).
+
+        Raises:
+            MisconfigurationException: Naming the setting and what to do instead.
+        """
+        for name, why in _UNSUPPORTED.items():
+            if getattr(self.config, name, None):
+                raise MisconfigurationException(f"lightning-blockwise export: {self.source}: {why}.")
+        dora = next((m.name for m in self.modules.values() if m.magnitude is not None), None)
+        if dora is not None:
+            raise MisconfigurationException(
+                f"lightning-blockwise export: {self.source} has a DoRA magnitude vector on `{dora}`:"
+                f" {_UNSUPPORTED['use_dora']}."
+            )
+
+    def check_against(self, model: nn.Module, checkpoint_keys: set[str], base: Path, merging: bool) -> None:
+        """Refuse an adapter whose linears the base lacks or shapes differently, before any weight is read.
+
+        Args:
+            model: The base's model (on the meta device), its linears converted to 4-bit.
+            checkpoint_keys: The keys of the base checkpoint.
+            base: The base checkpoint directory, for the messages.
+            merging: Whether the adapter will be merged (then a tied weight cannot be adapted).
+
+        Raises:
+            MisconfigurationException: If an adapted linear is missing, not a linear, of other shapes, or (when
+                merging) has no weight of its own in the checkpoint (tied to the embedding); or a base tensor saved
+                with the adapter is not the base's, has another shape, or would replace a 4-bit weight.
+        """
+        for name, module in self.modules.items():
+            try:
+                linear = model.get_submodule(name)
+            except AttributeError:
+                linear = None
+            if not isinstance(linear, (nn.Linear, Linear4bit)):
+                raise MisconfigurationException(
+                    f"lightning-blockwise export: the adapter {self.source} adapts `{name}`, which the base {base}"
+                    " does not have as a linear. The adapter was trained on another architecture or size; give the"
+                    " base it was trained on."
+                )
+            a, b = self.shape(module.lora_a), self.shape(module.lora_b)
+            wanted = ((a[0], linear.in_features), (linear.out_features, a[0]))
+            if (tuple(a), tuple(b)) != wanted:
+                raise MisconfigurationException(
+                    f"lightning-blockwise export: the adapter of `{name}` has lora_A {tuple(a)} and lora_B {tuple(b)},"
+                    f" but the base {base} has it as {linear.out_features} x {linear.in_features}, which needs"
+                    f" lora_A {wanted[0]} and lora_B {wanted[1]}. Give the base the adapter was trained on."
+                )
+            if merging and f"{name}.weight" not in checkpoint_keys:
+                raise MisconfigurationException(
+                    f"lightning-blockwise export: the adapter adapts `{name}`, whose weight the base {base} does not"
+                    " store (it is tied to another one, e.g. the LM head to the embedding); merging would change"
+                    " both. Export the adapter (`--merge none`) instead."
+                )
+        self._check_replacements(model, checkpoint_keys, base)
+
+    def _check_replacements(self, model: nn.Module, checkpoint_keys: set[str], base: Path) -> None:
+        shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+        quantized = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear4bit)}
+        for key, source in self.replacements.items():
+            if key not in checkpoint_keys or key in quantized or shapes.get(key) != self.shape(source):
+                raise MisconfigurationException(
+                    f"lightning-blockwise export: the adapter {self.source} carries `{source}` {self.shape(source)},"
+                    f" which PEFT loads over the base's `{key}`, but the base {base} has"
+                    f" {'no such tensor' if key not in shapes else shapes[key]}"
+                    f"{' quantized to 4 bits' if key in quantized else ''}. Give the base the adapter was trained"
+                    " on (with its vocabulary, if the embeddings were resized)."
+                )
+
+    def write_peft(self, directory: Path, base: Path) -> None:
+        """Write the adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``)."""
+        if self.source.is_dir():
+            # An adapter directory is copied as it is: nothing to gain from rewriting it.
+            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                shutil.copyfile(self.source / name, directory / name)
+            return
+        self.config.base_model_name_or_path = str(base.resolve())
+        self.config.save_pretrained(str(directory))
+        tensors = {}
+        for module in self.modules.values():
+            prefix = f"base_model.model.{module.name}"
+            tensors[f"{prefix}.lora_A.weight"] = self.read(module.lora_a).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = self.read(module.lora_b).contiguous()
+            if module.magnitude is not None:
+                # PEFT saves the magnitude without the `.weight` of its parameter.
+                tensors[f"{prefix}.lora_magnitude_vector"] = self.read(module.magnitude).contiguous()
+        save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+@contextmanager
+def open_adapter(path: str | Path) -> Iterator[TrainedAdapter]:
+    """Open a PEFT adapter directory or a ``CausalLMFineTune`` checkpoint (``.ckpt``) for the span of the block.
+
+    Args:
+        path: The adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``) or the checkpoint.
+
+    Raises:
+        MisconfigurationException: If the path does not exist, lacks a file, is not a LoRA (or DoRA) adapter of
+            linears, or is a checkpoint without ``CausalLMFineTune``'s hyperparameters. Settings a merge does not
+            support are refused by :meth:`TrainedAdapter.check_mergeable`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise MisconfigurationException(
+            f"lightning-blockwise export: the adapter {path} does not exist. Give a PEFT adapter directory or a"
+            " `.ckpt` a `CausalLMFineTune` run saved."
+        )
+    if path.is_dir():
+        with _open_directory(path) as adapter:
+            yield adapter
+    else:
+        yield _open_checkpoint(path)
+
+
+@contextmanager
+def _open_directory(path: Path) -> Iterator[TrainedAdapter]:
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / name).is_file():
+            raise MisconfigurationException(
+                f"lightning-blockwise export: {path} has no {name}; a PEFT adapter directory holds"
+                f" {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (`PeftModel.save_pretrained`)."
+            )
+    settings = json.loads((path / ADAPTER_CONFIG).read_text())
+    if settings.get("peft_type") != "LORA":
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {path} is a {settings.get('peft_type')!r} adapter; only LoRA adapters can be"
+            " exported or merged."
+        )
+    config = LoraConfig.from_pretrained(str(path))
+    with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt", device="cpu") as handle:
+        names = list(handle.keys())
+        lora = [key for key in names if _SAVED_KEY.fullmatch(key)]
+        keys = {key: _parse(_SAVED_KEY.fullmatch(key), key, path) for key in lora}
+        replacements = {}
+        for key in sorted(set(names) - set(lora)):
+            match = _SAVED_BASE_KEY.fullmatch(key)
+            if match is None:
+                raise MisconfigurationException(
+                    f"lightning-blockwise export: {path} holds `{key}`, which is neither a LoRA weight nor a tensor of"
+                    " the base; the file was not written by PEFT."
+                )
+            replacements[match["key"].replace(".base_layer.", ".")] = key
+        yield _adapter(
+            path,
+            config,
+            keys,
+            replacements,
+            compute_dtype=None,
+            trained_on=config.base_model_name_or_path,
+            read=handle.get_tensor,
+            shape=lambda key: tuple(handle.get_slice(key).get_shape()),
+        )
+
+
+def _open_checkpoint(path: Path) -> TrainedAdapter:
+    try:
+        # Memory-mapped: a checkpoint saved with its frozen base is as large as the model, and only the
+        # adapters are read.
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:
+        raise MisconfigurationException(
+            f"lightning-blockwise export: cannot read {path} as a Lightning checkpoint ({error}). Give a `.ckpt` a"
+            " `CausalLMFineTune` run saved, or a PEFT adapter directory."
+        ) from None
+    hparams = checkpoint.get("hyper_parameters") or {}
+    missing = [name for name in _HPARAMS if name not in hparams]
+    if missing:
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {path} lacks the hyperparameters {', '.join(missing)} that say how its"
+            " adapters were built; only checkpoints of `CausalLMFineTune` are read. Save the adapter with"
+            " `PeftModel.save_pretrained` and give that directory."
+        )
+    if hparams.get("random_init"):
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {path} was trained over a random-init base (`random_init=True`); there is"
+            " no checkpoint its adapters belong to."
+        )
+    state = checkpoint["state_dict"]
+    keys = {key: _parse(match, key, path) for key in state if (match := _CKPT_KEY.fullmatch(key)) is not None}
+    adapters = {match["adapter"] for match in (_CKPT_KEY.fullmatch(key) for key in keys) if match}
+    if len(adapters) > 1:
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {path} holds several adapters ({', '.join(sorted(adapters))}); export"
+            " one at a time with PEFT."
+        )
+    modules = sorted({name for name, _ in keys.values()})
+    config = LoraConfig(
+        r=hparams["lora_r"],
+        lora_alpha=hparams["lora_alpha"],
+        lora_dropout=hparams.get("lora_dropout", 0.0),
+        use_dora=hparams["use_dora"],
+        # The exact linears that were adapted: PEFT matches a name that equals a target.
+        target_modules=modules,
+        task_type="CAUSAL_LM",
+    )
+    return _adapter(
+        path,
+        config,
+        keys,
+        {},  # the frozen base a checkpoint may carry is the base's own
+        compute_dtype=getattr(torch, hparams["compute_dtype"]),
+        trained_on=hparams.get("checkpoint"),
+        read=state.__getitem__,
+        shape=lambda key: tuple(state[key].shape),
+    )
+
+
+def _parse(match: re.Match[str] | None, key: str, source: Path) -> tuple[str, str]:
+    """``(module, part)`` of a source key (``lora_A``, ``lora_B``, ``lora_magnitude_vector``); refuses the rest."""
+    if match is None:
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {source} holds `{key}`, which is not a LoRA weight; only LoRA adapters"
+            " (lora_A and lora_B of linears) can be exported or merged."
+        )
+    part, rest = match["part"], match["rest"]
+    if (part in ("lora_A", "lora_B") and rest == ".weight") or (
+        part == "lora_magnitude_vector" and rest in ("", ".weight")
+    ):
+        return match["module"], part
+    if part.startswith("lora_embedding"):
+        why = "the adapter adapts an embedding, which the merge does not fold in"
+    elif rest == ".bias":
+        why = _UNSUPPORTED["lora_bias"]
+    else:
+        why = "it is not a LoRA linear's weight"
+    raise MisconfigurationException(f"lightning-blockwise export: {source} holds `{key}`: {why}.")
+
+
+def _adapter(
+    source: Path,
+    config: LoraConfig,
+    keys: dict[str, tuple[str, str]],
+    replacements: dict[str, str],
+    compute_dtype: torch.dtype | None,
+    trained_on: str | None,
+    read: Callable[[str], Tensor],
+    shape: Callable[[str], tuple[int, ...]],
+) -> TrainedAdapter:
+    parts: dict[str, dict[str, str]] = {}
+    for key, (module, part) in keys.items():
+        parts.setdefault(module, {})[part] = key
+    if not parts:
+        raise MisconfigurationException(f"lightning-blockwise export: {source} holds no LoRA weights.")
+    modules = {}
+    for name, found in sorted(parts.items()):
+        if not {"lora_A", "lora_B"} <= set(found):
+            raise MisconfigurationException(
+                f"lightning-blockwise export: {source} holds only {', '.join(found)} of `{name}`; the file is"
+                " incomplete."
+            )
+        rank = shape(found["lora_A"])[0]
+        scaling = _scaling(config, name, rank, source)
+        modules[name] = LoraModule(name, found["lora_A"], found["lora_B"], found.get("lora_magnitude_vector"), scaling)
+    return TrainedAdapter(source, config, modules, replacements, compute_dtype, trained_on, read, shape)
+
+
+def _scaling(config: LoraConfig, name: str, rank: int, source: Path) -> float:
+    """The scaling PEFT gives the linear ``name`` (``LoraModel._create_and_replace``, ``update_layer``)."""
+    rank_pattern, alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
+    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), name), config.r)
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), name), config.lora_alpha)
+    if r != rank:
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {source} says `{name}` has rank {r}, but its lora_A has {rank} rows; the"
+            " config and the weights do not belong together."
+        )
+    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraModule", "TrainedAdapter", "open_adapter"]

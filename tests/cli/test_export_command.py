@@ -1,0 +1,85 @@
+"""`lightning-blockwise export` (cli/export_command.py): arguments reach the merge, errors come back on one line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from lightning_blockwise.cli import main
+from lightning_blockwise.recipes.merge_card import CONFIG_KEY
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter with non-zero B over the tiny Llama."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"])
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    directory = tmp_path_factory.mktemp("adapter")
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+def test_export_merges_with_the_options_given(
+    checkpoints: dict[str, Path], adapter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "merged"
+    main(["export", str(adapter), str(checkpoints["llama"]), str(out), "--merge", "bf16", "--compute-dtype",
+          "float32", "--max-shard-size", "20KB", "--merge-into-original", "--quiet"])  # fmt: skip
+    assert f"wrote {out}" in capsys.readouterr().out
+    recorded = json.loads((out / "config.json").read_text())[CONFIG_KEY]
+    assert (recorded["merge"], recorded["merged_into"], recorded["compute_dtype"]) == ("bf16", "original", "float32")
+    assert len(list(out.glob("*.safetensors"))) > 1  # the cap was applied
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+    # Control: without the flags, the defaults (the adapter alone) are written.
+    main(["export", str(adapter), str(checkpoints["llama"]), str(tmp_path / "plain"), "--quiet"])
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--merge", "int8"], "argument --merge: invalid choice: 'int8'"),
+        (["--max-shard-size", "big"], "--max-shard-size: Cannot read 'big' as a memory size"),
+        (["--device", "tpu"], "--device 'tpu' is not a device"),
+        (["--device", "meta"], "only cpu and cuda are supported"),
+        (["--merge-into-original"], "needs a merge"),
+    ],
+)
+def test_errors_are_one_line_and_come_before_any_work(
+    checkpoints: dict[str, Path], adapter: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["export", str(adapter), str(checkpoints["llama"]), str(tmp_path / "out"), *args])
+    text = str(refused.value.code)
+    assert text.startswith("lightning-blockwise export: ") and message in text and "\n" not in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_adapter_names_what_to_give(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=re.escape("Give a PEFT adapter directory or a `.ckpt`")):
+        main(["export", str(tmp_path / "nope"), str(checkpoints["llama"]), str(tmp_path / "out")])
+
+
+def test_export_help_describes_the_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: lightning-blockwise export [-h]")
+    for phrase in (
+        "{none,bf16,fp32,nf4}",
+        "--merge-into-original",
+        "NOT the model that was trained",
+        "--max-shard-size",
+    ):
+        assert phrase in text
