@@ -38,14 +38,8 @@ from lightning_blockwise.residency import embedding, placement
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy, move_rest_to_device
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
-from lightning_blockwise.step_budget import (
-    DEFAULT_TOKENS,
-    StepBudget,
-    StepPlan,
-    batch_tokens,
-    declared_tokens,
-    reference_headroom,
-)
+from lightning_blockwise.step_budget import DEFAULT_TOKENS, StepBudget, StepPlan, declared_tokens, reference_headroom
+from lightning_blockwise.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.streamed_stack import StreamedStack
 
 
@@ -136,8 +130,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self.vram_budget = budget_bytes(vram_budget)
         self.budget_tokens = budget_tokens
         self.offload_activations = offload_activations
-        self.step_plan: StepPlan | None = None
-        self._budget: StepBudget | None = None
+        self._planner: StepPlanner | None = None
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
         self._device_given = device is not None
@@ -183,11 +176,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             check_trainable(stack)
         self._stack = stack
         if self.root_device.type == "cuda":
-            with self._budget_errors():
+            with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
         assert self.streamer is not None and self._host_copy is not None and self._layers is not None
-        assert self._budget is not None and self.step_plan is not None
+        assert self._planner is not None
         self._layers.install()
         rank_zero_info(
             f"BlockwiseStrategy: {len(self.layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
@@ -195,7 +188,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             f" {len(self.streamer.slots)} slots on {self.root_device}; host arena"
             f" {self._host_copy.arena.nbytes / 1e9:.3f} GB ({self._host_copy.arena.bytes_needed / 1e9:.3f} GB of"
             f" tensors){', pinned' if self._host_copy.arena.pinned else ''}; {len(self.streamer.resident)} blocks kept"
-            f" resident; {self._budget.describe(self.step_plan)}."
+            f" resident; {self._planner.describe()}."
         )
 
     @property
@@ -236,11 +229,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         else:
             # Once the base has left the device, so the cap is not below what it holds (NOTE [ A budget is a
             # cap on the card ] in planning/memory.py).
-            with self._budget_errors():
+            with budget_errors(self._budget_owner):
                 self._memory_cap, changes = apply_cap(device, self.vram_budget)
             for change in changes:
                 rank_zero_info(f"BlockwiseStrategy: {change}.")
-        self._budget = StepBudget.for_module(
+        budget = StepBudget.for_module(
             self.lightning_module,
             self._stack.model,
             block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
@@ -249,8 +242,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             budget=self.vram_budget,
             offload=self.offload_activations,
         )
+        self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
-        plan = self._plan_for(tokens)
+        plan = self._planner.first_plan(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
         self._frozen_base = FrozenBase(
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
@@ -259,7 +253,16 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             self._stack.layers, self.plan, self._host_copy, device, self.prefetch_depth, plan.residency.resident
         )
         self._layers.set_observer(self._observer)
-        self._adopt(plan)
+        self._planner.attach(self._layers)
+
+    @property
+    def _budget_owner(self) -> str:
+        return f"`BlockwiseStrategy(vram_budget={self.vram_budget})`"
+
+    @property
+    def step_plan(self) -> StepPlan | None:
+        """The plan of a training step for the longest micro-batch planned for so far (``None`` before setup)."""
+        return None if self._planner is None else self._planner.plan
 
     @property
     def residency_plan(self) -> ResidencyPlan | None:
@@ -268,35 +271,12 @@ class BlockwiseStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        tokens = batch_tokens(args[0] if args else kwargs.get("batch"))
-        if tokens is not None and self.step_plan is not None and tokens > self.step_plan.tokens:
+        if self._planner is not None:
             # NOTE [ A budget that sees the batches ] in step_budget.py.
-            self._adopt(self._plan_for(tokens))
-            assert self._budget is not None and self.step_plan is not None
-            rank_zero_info(f"BlockwiseStrategy: longer batch: {self._budget.describe(self.step_plan)}.")
+            replanned = self._planner.see_batch(args[0] if args else kwargs.get("batch"))
+            if replanned is not None:
+                rank_zero_info(f"BlockwiseStrategy: {replanned}.")
         return super().training_step(*args, **kwargs)
-
-    def _plan_for(self, tokens: int) -> StepPlan:
-        assert self._budget is not None
-        with self._budget_errors():
-            return self._budget.plan(tokens)
-
-    @contextmanager
-    def _budget_errors(self) -> Iterator[None]:
-        """The planner's and the allocator cap's ``ValueError`` as the user's mistake, naming the budget."""
-        try:
-            yield
-        except ValueError as error:
-            raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={self.vram_budget})`: {error}") from None
-
-    def _adopt(self, plan: StepPlan) -> None:
-        """Make ``plan`` the run's: its resident blocks and its offload (between steps only)."""
-        assert self._layers is not None and self._budget is not None
-        old = self.step_plan
-        self.step_plan = plan
-        self._layers.offload_inputs(plan.shape.input_bytes() if plan.offload else None)
-        if old is not None and old.residency.resident != plan.residency.resident:
-            self._layers.restream(plan.residency.resident)
 
     def resident_prefix_bytes(self, num_blocks: int) -> int:
         """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
@@ -309,9 +289,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         Args:
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
         """
-        assert self._layers is not None
-        assert self._budget is not None and self.step_plan is not None
-        return self._layers.prefix_bytes(num_blocks, self._budget.layer_graph(self.step_plan.tokens))
+        assert self._planner is not None
+        return self._planner.resident_prefix_bytes(num_blocks)
 
     def reference_headroom(self) -> int | None:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).

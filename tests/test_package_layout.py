@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"replay"},
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
     {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
+    {"step_planner"},
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},

@@ -296,13 +296,16 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"])
     strategy = BlockwiseStrategy()
     monkeypatch.setattr(BlockwiseStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
-    strategy.step_plan = SimpleNamespace(residency=SimpleNamespace(predicted_peak=8 * gb))
+    plan = SimpleNamespace(residency=SimpleNamespace(predicted_peak=8 * gb))
+    monkeypatch.setattr(BlockwiseStrategy, "step_plan", property(lambda self: plan))
     # Uncapped: free + cached - what the step still needs (8 - 5 allocated).
     assert strategy.reference_headroom() == 80 * gb + 1 * gb - 3 * gb
     fraction["value"] = 0.25  # 21.5 GB for the process: 21.5 - 5 allocated - 3 still needed
     assert strategy.reference_headroom() == 13.5 * gb
-    strategy.vram_budget = 10 * gb  # the budget binds tighter still: 10 - 8 planned
-    assert strategy.reference_headroom() == 2 * gb
+    # The budget binds tighter still: as the allocator's cap, 10 GB hold 10 / 1.1 of allocations (NOTE [ A budget
+    # is a cap on the card ]), less the 8 planned.
+    strategy.vram_budget = 10 * gb
+    assert strategy.reference_headroom() == 10 * gb * 100 // 110 - 8 * gb
 
 
 def test_check_leaves_the_instruction_data_module_alone() -> None:
