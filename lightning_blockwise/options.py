@@ -25,6 +25,12 @@ def check_optional_bool(name: str, value: Any) -> None:
         )
 
 
+def check_bool(name: str, value: Any) -> None:
+    """Refuse a strategy option that must be ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise MisconfigurationException(f"`BlockwiseStrategy({name}={value!r})` must be True or False.")
+
+
 def budget_bytes(vram_budget: int | str | None) -> int | None:
     """``vram_budget`` in bytes (``None`` stays ``None``), or a clear error."""
     if vram_budget is None:
@@ -76,6 +82,7 @@ def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
 
 __all__ = [
     "budget_bytes",
+    "check_bool",
     "check_count",
     "check_device",
     "check_optional_bool",

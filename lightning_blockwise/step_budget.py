@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
-from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT
+from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK
 
 # NOTE [ A budget that sees the batches ]
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
@@ -69,6 +69,9 @@ class StepBudget:
         mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
         device_limit: Without a budget, the device bytes beyond which automatic offload turns on
             (``None``: never, e.g. on the CPU).
+        block_layers: Decoder layers in each block.
+        keep_activations: With a budget, keep blocks' graphs instead of recomputing them where they
+            fit (NOTE [ Kept activations ] in planning/memory.py).
     """
 
     config: Any
@@ -83,6 +86,8 @@ class StepBudget:
     loss_chunk_tokens: int | None
     mlp_tile_tokens: int | None
     device_limit: int | None
+    block_layers: Sequence[int] = ()
+    keep_activations: bool = False
 
     @classmethod
     def for_module(
@@ -94,6 +99,8 @@ class StepBudget:
         prefetch_depth: int,
         budget: int | None,
         offload: bool | None,
+        block_layers: Sequence[int] = (),
+        keep_activations: bool = False,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -109,6 +116,8 @@ class StepBudget:
             prefetch_depth: Blocks copied ahead of the one in use.
             budget: The ``vram_budget`` in bytes, or ``None``.
             offload: The ``offload_activations`` option.
+            block_layers: Decoder layers in each block.
+            keep_activations: The ``keep_activations`` option.
         """
         on_device = {}
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -128,6 +137,8 @@ class StepBudget:
             loss_chunk_tokens=_declared_count(module, "loss_chunk_tokens"),
             mlp_tile_tokens=_declared_count(module, "mlp_tile_tokens"),
             device_limit=device_limit(device),
+            block_layers=list(block_layers),
+            keep_activations=keep_activations,
         )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
@@ -163,6 +174,7 @@ class StepBudget:
                     trainable_bytes=self.trainable_bytes,
                     activation_bytes=shape.activation_peak(),
                     budget=self.budget,
+                    graph_bytes=self._graph_bytes(shape),
                 )
             except ValueError as failure:
                 error = failure
@@ -175,6 +187,12 @@ class StepBudget:
         hint = "" if self.offload is False else " with the layer inputs offloaded to host memory"
         raise ValueError(f"at {tokens} tokens per micro-batch{hint}, {error}")
 
+    def _graph_bytes(self, shape: StepShape) -> list[int] | None:
+        """Each block's layers' graphs, when blocks may keep them (NOTE [ Kept activations ])."""
+        if not self.keep_activations or self.budget is None or not self.block_layers:
+            return None
+        return [layers * shape.layer_graph() for layers in self.block_layers]
+
     def layer_graph(self, tokens: int) -> int:
         """Bytes of one layer's autograd graph at ``tokens`` tokens (what a resident layer keeps)."""
         return self.shape(tokens, offload=False).layer_graph()
@@ -186,8 +204,10 @@ class StepBudget:
             if plan.offload
             else ""
         )
+        kept = plan.residency.kept
+        kept_text = f"{len(kept)} blocks keep their activations (not recomputed), " if kept else ""
         return (
-            f"predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
+            f"{kept_text}predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
             f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"
             f" tokens per micro-batch{offload}"
         )
@@ -248,7 +268,7 @@ def reference_headroom(device: torch.device, budget: int | None, predicted_peak:
     limits = []
     if budget is not None:
         # The budget caps the allocator, which needs its headroom (NOTE [ A budget is a cap on the card ]).
-        limits.append(budget * 100 // (100 + ALLOCATOR_HEADROOM_PERCENT) - predicted_peak)
+        limits.append((budget - ALLOCATOR_SLACK) * 100 // (100 + ALLOCATOR_HEADROOM_PERCENT) - predicted_peak)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)

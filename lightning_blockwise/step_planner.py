@@ -89,8 +89,8 @@ class StepPlanner:
         assert self._layers is not None and self.plan is not None
         old, self.plan = self.plan, plan
         self._layers.offload_inputs(plan.shape.input_bytes() if plan.offload else None)
-        if old.residency.resident != plan.residency.resident:
-            self._layers.restream(plan.residency.resident)
+        if (old.residency.resident, old.residency.kept) != (plan.residency.resident, plan.residency.kept):
+            self._layers.restream(plan.residency.resident, plan.residency.kept)
 
 
 __all__ = ["StepPlanner", "budget_errors"]

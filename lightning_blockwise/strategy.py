@@ -26,6 +26,7 @@ from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_
 from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap, check_cap
 from lightning_blockwise.options import (
     budget_bytes,
+    check_bool,
     check_count,
     check_device,
     check_optional_bool,
@@ -69,6 +70,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         offload_activations: Keep each layer's saved input in pinned host memory between forward and
             backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None`` turns it on
             when the step would not fit without it (the budget, else the device), ``True``/``False`` force it.
+        keep_activations: With a ``vram_budget``, blocks whose slabs and layers' autograd graphs fit it stay
+            on the device and run as in resident training, not recomputed in the backward (faster); the rest
+            of the budget keeps blocks resident only. ``False`` spends the whole budget on resident blocks,
+            which is better where the step waits on the host link (NOTE [ Kept activations ] in
+            planning/memory.py).
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file).
@@ -102,6 +108,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         vram_budget: int | str | None = None,
         budget_tokens: int | None = None,
         offload_activations: bool | None = None,
+        keep_activations: bool = True,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
         accelerator: Accelerator | None = None,
@@ -118,6 +125,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if budget_tokens is not None:
             check_count("budget_tokens", budget_tokens)
         check_optional_bool("offload_activations", offload_activations)
+        check_bool("keep_activations", keep_activations)
         check_device(device)
         super().__init__(
             device="cpu" if device is None else device,
@@ -130,6 +138,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self.vram_budget = budget_bytes(vram_budget)
         self.budget_tokens = budget_tokens
         self.offload_activations = offload_activations
+        self.keep_activations = keep_activations
         self._planner: StepPlanner | None = None
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
@@ -241,6 +250,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             prefetch_depth=self.prefetch_depth,
             budget=self.vram_budget,
             offload=self.offload_activations,
+            block_layers=[len(self.plan.layers_of(block)) for block in range(self.plan.num_blocks)],
+            keep_activations=self.keep_activations,
         )
         self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
@@ -250,7 +261,13 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
         )
         self._layers = StreamedStack(
-            self._stack.layers, self.plan, self._host_copy, device, self.prefetch_depth, plan.residency.resident
+            self._stack.layers,
+            self.plan,
+            self._host_copy,
+            device,
+            self.prefetch_depth,
+            plan.residency.resident,
+            plan.residency.kept,
         )
         self._layers.set_observer(self._observer)
         self._planner.attach(self._layers)

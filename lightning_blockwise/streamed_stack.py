@@ -40,6 +40,8 @@ class StreamedStack:
         device: The compute device.
         prefetch_depth: Blocks copied ahead of the one in use.
         resident: Blocks kept on the device for the whole run.
+        kept: Resident blocks whose layers run with plain autograd, their graphs kept from the
+            forward to the backward (NOTE [ Kept activations ] in planning/memory.py).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class StreamedStack:
         device: torch.device,
         prefetch_depth: int,
         resident: Iterable[int] = (),
+        kept: Iterable[int] = (),
     ) -> None:
         self.layers = list(layers)
         self.plan = plan
@@ -57,6 +60,7 @@ class StreamedStack:
         self.device = device
         self.prefetch_depth = prefetch_depth
         self.resident = tuple(sorted(resident))
+        self.kept = _kept(kept, self.resident)
         self._observer = StreamObserver()
         self.offload: ActivationOffload | None = None
         self.streamer: BlockStreamer | None = self._new_streamer(self.resident)
@@ -73,9 +77,11 @@ class StreamedStack:
             self.streamer.observer = self._observer
 
     def install(self) -> None:
-        """Install the rematerializing forward on every layer, reading its block through the streamer."""
+        """Install the rematerializing forward, reading blocks through the streamer, on every layer not kept."""
         assert self.streamer is not None
         remat.install(self.layers, self._layer_params(), self.streamer, self.offload)
+        # NOTE [ Kept activations ] in planning/memory.py: their blocks are resident, so plain autograd is safe.
+        remat.uninstall([self.layers[i] for block in self.kept for i in self.plan.layers_of(block)])
 
     def offload_inputs(self, slab_bytes: int | None) -> None:
         """Keep layer inputs in host slabs of ``slab_bytes`` between forward and backward; ``None``: on the device.
@@ -96,14 +102,16 @@ class StreamedStack:
         if self.streamer is not None:
             self.install()
 
-    def restream(self, resident: Iterable[int] | None = None) -> None:
+    def restream(self, resident: Iterable[int] | None = None, kept: Iterable[int] | None = None) -> None:
         """Replace the streamer by a fresh one keeping ``resident`` (default: the same blocks) on the device.
 
+        ``kept`` (default: the same blocks) are the resident blocks whose layers keep their graphs.
         Resident blocks are copied from the host arena again, so this also picks up bytes
         written into the arena since (a checkpoint's frozen base).
         """
         if resident is not None:
             self.resident = tuple(sorted(resident))
+        self.kept = _kept(self.kept if kept is None else kept, self.resident)
         self._close_streamer()
         self.streamer = self._new_streamer(self.resident)
         self.install()
@@ -167,6 +175,13 @@ class StreamedStack:
 
     def _layer_params(self) -> list[list[nn.Parameter]]:
         return [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self.layers]
+
+
+def _kept(kept: Iterable[int], resident: tuple[int, ...]) -> tuple[int, ...]:
+    kept = tuple(sorted(kept))
+    if not set(kept) <= set(resident):
+        raise ValueError(f"kept blocks {kept} must be resident ({resident}): a kept graph reads its block at backward.")
+    return kept
 
 
 __all__ = ["StreamedStack"]

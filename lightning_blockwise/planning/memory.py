@@ -20,6 +20,9 @@ _ALLOCATOR_ROUNDING = 1.02
 #: The cap a budget sets on the caching allocator over the predicted allocated peak
 #: (NOTE [ A budget is a cap on the card ]).
 ALLOCATOR_HEADROOM_PERCENT = 10
+#: And two of the caching allocator's 20 MiB segments over it, which a small budget cannot do without (a
+#: 27 MiB cap ran out of memory at 6 MiB allocated asking for 20).
+ALLOCATOR_SLACK = 2 * 20 * 2**20
 #: Layer inputs on the device at a time with offload on: the one in use, the next one coming
 #: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
 _INPUTS_IN_FLIGHT = 3
@@ -136,8 +139,14 @@ class StepShape:
         return self.num_layers * self.input_bytes() if self.offload_inputs else 0
 
     def layer_graph(self) -> int:
-        """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward)."""
-        return self.tokens * (6 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
+        """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).
+
+        Eight hidden-sized and four MLP-sized tensors per token: resident training without
+        checkpointing measured 192 and 203 KB per token and layer at the Qwen2.5-7B shape (2048 and
+        4096 tokens, H100, LoRA r16 on all seven projections; ``benchmarks/results/h100_long_context.jsonl``),
+        against 209 predicted.
+        """
+        return self.tokens * (8 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
 
 
 # NOTE [ A budget is a cap on the card ]
@@ -146,14 +155,30 @@ class StepShape:
 # expandable segments and 1.2-2.6x without (benchmarks/RESULTS.md, "Long context"), and a run
 # sized to the card could still die. So a ``vram_budget`` is made a cap: on CUDA the strategy sets
 # it as the allocator's per-process limit (``torch.cuda.set_per_process_memory_fraction``), with
-# expandable segments on (residency/device_memory.py), and the allocator frees its cache and maps
-# pages rather than reserve past it. What the cap must leave over the allocated peak was measured
-# (``benchmarks/allocator_cap.py``, H100, 7B at 4k and 16k tokens, with and without offload and
-# tiling): with expandable segments a cap of 1.05x the allocated peak ran every point and 1.02x
-# ran out of memory in each; without them even 1.10x ran out in each. The plan therefore keeps
-# ``ALLOCATOR_HEADROOM_PERCENT`` (10%) between its predicted allocated peak, itself never under the
-# measured one, and the budget; at 1.05x the tightest point was 7% slower (the allocator freeing
-# and remapping), at 1.10x none was.
+# expandable segments on (device_memory.py), and the allocator frees its cache and maps
+# pages rather than reserve past it. What the cap
+# must leave over the allocated peak was measured (``benchmarks/allocator_cap.py``, H100, 7B at 4k
+# and 16k tokens, with and without offload and tiling): with expandable segments a cap of 1.05x the
+# allocated peak ran every point and 1.02x ran out of memory in each; without them even 1.10x ran
+# out in each. The plan therefore keeps ``ALLOCATOR_HEADROOM_PERCENT`` (10%), plus
+# ``ALLOCATOR_SLACK`` for the smallest budgets, between its predicted allocated peak, itself never
+# under the measured one, and the budget; at 1.05x the tightest point was 7% slower (the allocator
+# freeing and remapping), at 1.10x none was.
+
+
+# NOTE [ Kept activations ]
+# A rematerialized layer runs its forward twice per step: once without a graph, once in the
+# backward to build it. With a frozen 4-bit base that second forward is the whole price of
+# streaming on a compute-bound step (H100, 7B and 32B: copies hide under compute), so memory
+# spent on resident blocks alone buys nothing there. A kept block is resident and its layers
+# run as in resident training, with plain autograd: their graph lives from the forward to the
+# backward, and nothing is recomputed. Plain autograd on a resident block is what `ParityCheck`'s
+# reference already runs (NOTE [ Resident prefix ] in streamed_stack.py), bit-identical to
+# resident training; the block stays bound to the same device copy until its backward, since
+# resident blocks change only between steps (NOTE [ Graphs do not outlive residency ] in
+# replay/remat.py). The planner keeps blocks from the first one on while the budget holds their
+# slabs and graphs, then spends what is left on resident blocks only, which save copies, worth it
+# only where the step waits on the link (`keep_activations=False` spends the whole budget so).
 
 
 @dataclass(frozen=True)
@@ -162,6 +187,8 @@ class ResidencyPlan:
 
     Attributes:
         resident: Blocks copied to the device once and kept there.
+        kept: Resident blocks whose layers keep their autograd graph from the forward to the
+            backward instead of recomputing it (NOTE [ Kept activations ]); a prefix of ``resident``.
         num_slots: Device slots for the streamed blocks.
         slot_bytes: Bytes of one slot (the largest streamed block).
         predicted_peak: Predicted peak allocated device memory of a training step, in bytes.
@@ -174,6 +201,7 @@ class ResidencyPlan:
     slot_bytes: int
     predicted_peak: int
     minimum: int
+    kept: tuple[int, ...] = ()
 
     @property
     def predicted_reserved(self) -> int:
@@ -182,13 +210,16 @@ class ResidencyPlan:
 
 
 def with_headroom(allocated: int) -> int:
-    """The allocator cap an allocated peak of ``allocated`` bytes needs (NOTE [ A budget is a cap on the card ])."""
-    return allocated + -(-allocated * ALLOCATOR_HEADROOM_PERCENT // 100)
+    """The allocator cap an allocated peak of ``allocated`` bytes needs: 10% and 40 MiB more.
+
+    NOTE [ A budget is a cap on the card ].
+    """
+    return allocated + -(-allocated * ALLOCATOR_HEADROOM_PERCENT // 100) + ALLOCATOR_SLACK
 
 
 def plan_residency(
     block_bytes: list[int], prefetch_depth: int, fixed_bytes: int, trainable_bytes: int, activation_bytes: int,
-    budget: int | None,
+    budget: int | None, graph_bytes: list[int] | None = None,
 ) -> ResidencyPlan:  # fmt: skip
     """Keep as many blocks resident as ``budget`` allows; stream the rest (all of them without a budget).
 
@@ -197,7 +228,9 @@ def plan_residency(
     whole run (``fixed_bytes``: head, norms, adapters), the adapters' gradients and AdamW state
     (3 x ``trainable_bytes``), the activations, the slots and the resident blocks. Blocks are
     kept resident from the first one on: every block but those around the forward/backward turn
-    is loaded twice per step, so any resident block saves the same traffic.
+    is loaded twice per step, so any resident block saves the same traffic. With ``graph_bytes``
+    the budget first goes to kept blocks (resident, and their layers' graphs kept: no recompute),
+    from the first on, then to more resident blocks (NOTE [ Kept activations ]).
 
     Args:
         block_bytes: Each block's slab size.
@@ -206,17 +239,24 @@ def plan_residency(
         trainable_bytes: Bytes of the trainable parameters.
         activation_bytes: Predicted activation peak (:meth:`StepShape.activation_peak`).
         budget: The cap on the allocator, in bytes, or ``None`` to stream every block.
+        graph_bytes: Each block's layers' autograd graphs (:meth:`StepShape.layer_graph` per layer),
+            what keeping it costs beyond its slab; ``None``: every layer is recomputed.
 
     Raises:
         ValueError: If ``budget`` is below the minimum (every block streamed).
     """
     base = fixed_bytes + 3 * trainable_bytes + activation_bytes
 
-    def peak(resident: int) -> tuple[int, int, int]:
+    def peak(resident: int, kept: int = 0) -> tuple[int, int, int]:
         streamed = block_bytes[resident:]
         slots = min(prefetch_depth + 1, len(streamed))
         slot_bytes = max(streamed, default=0)
-        return base + slots * slot_bytes + sum(block_bytes[:resident]), slots, slot_bytes
+        kept_graphs = sum(graph_bytes[:kept]) if graph_bytes is not None else 0
+        return base + slots * slot_bytes + sum(block_bytes[:resident]) + kept_graphs, slots, slot_bytes
+
+    def fits(resident: int, kept: int) -> bool:
+        assert budget is not None
+        return with_headroom(peak(resident, kept)[0]) <= budget
 
     streamed_peak, slots, slot_bytes = peak(0)
     minimum = with_headroom(streamed_peak)
@@ -225,16 +265,26 @@ def plan_residency(
     if budget < minimum:
         raise ValueError(
             f"the budget of {format_gib(budget)} is below the {format_gib(minimum)} this run needs with every block"
-            f" streamed ({len(block_bytes)} blocks, {slots} slots of {slot_bytes / 2**20:.0f} MiB; a predicted peak of"
-            f" {format_gib(streamed_peak)} allocated and {ALLOCATOR_HEADROOM_PERCENT}% for the allocator). Raise the"
-            f" budget to at least {format_gib(minimum)}, or lower `prefetch_depth`, `block_size` or the tokens per"
-            " micro-batch."
+            f" streamed ({len(block_bytes)} blocks, {slots} slots of {slot_bytes / 2**20:.0f} MiB; a predicted peak"
+            f" of {format_gib(streamed_peak)} allocated, and {ALLOCATOR_HEADROOM_PERCENT}% +"
+            f" {ALLOCATOR_SLACK // 2**20} MiB for the allocator). Raise the budget to at least {format_gib(minimum)},"
+            " or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."
         )
-    resident = 0
-    while resident < len(block_bytes) and with_headroom(peak(resident + 1)[0]) <= budget:
+    kept = 0
+    while graph_bytes is not None and kept < len(block_bytes) and fits(kept + 1, kept + 1):
+        kept += 1
+    resident = kept
+    while resident < len(block_bytes) and fits(resident + 1, kept):
         resident += 1
-    predicted, slots, slot_bytes = peak(resident)
-    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum)
+    predicted, slots, slot_bytes = peak(resident, kept)
+    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum, tuple(range(kept)))
 
 
-__all__ = ["ALLOCATOR_HEADROOM_PERCENT", "ResidencyPlan", "StepShape", "plan_residency", "with_headroom"]
+__all__ = [
+    "ALLOCATOR_HEADROOM_PERCENT",
+    "ALLOCATOR_SLACK",
+    "ResidencyPlan",
+    "StepShape",
+    "plan_residency",
+    "with_headroom",
+]

@@ -90,3 +90,26 @@ def test_budget_parity(checkpoint: Path) -> None:
     strategy = BlockwiseStrategy(block_size=1, vram_budget=budget)
     assert_equal_runs(resident, _fit(checkpoint, strategy))
     assert strategy.residency_plan is not None and len(strategy.residency_plan.resident) >= 3
+
+
+def test_kept_activations_parity(checkpoint: Path) -> None:
+    """Blocks kept (plain autograd, NOTE [ Kept activations ]), resident only and streamed in one run: exact."""
+    import dataclasses
+
+    resident = _fit(checkpoint, "auto")
+    probe = BlockwiseStrategy(block_size=1, budget_tokens=2 * 128)
+    _fit(checkpoint, probe, max_steps=1)
+    assert probe.step_plan is not None and probe._planner is not None
+    minimum, budget = probe.step_plan.residency.minimum, None
+    for candidate in range(minimum, 3 * minimum, 2**16):
+        plan = dataclasses.replace(probe._planner.budget, budget=candidate, keep_activations=True).plan(2 * 128)
+        if 0 < len(plan.residency.kept) < len(plan.residency.resident) < 8:
+            budget = candidate
+            break
+    assert budget is not None, "no budget mixes kept, resident and streamed blocks"
+    strategy = BlockwiseStrategy(block_size=1, vram_budget=budget, budget_tokens=2 * 128)
+    assert_equal_runs(resident, _fit(checkpoint, strategy))
+    assert strategy.residency_plan is not None
+    kept, kept_resident = strategy.residency_plan.kept, strategy.residency_plan.resident
+    print(f"\n[kept activations] kept {kept}, resident {kept_resident}")
+    assert 0 < len(kept) < len(kept_resident) < 8

@@ -1,0 +1,126 @@
+"""Kept activations (NOTE [ Kept activations ]): blocks whose graphs fit the budget are not recomputed, and exact.
+
+A budget is chosen from the planner so that the eight blocks of the test model split three ways: kept
+(resident, plain autograd), resident only (rematerialized) and streamed (eight: with fewer, once one
+block is resident the slots it frees pay for the rest). The run with dropout is
+`torch.equal` to resident training; the kept layers run their forward once per micro-batch, the others
+twice (the recompute); a control that writes into a kept block's device copy makes the run differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from transformers import AutoModelForCausalLM
+
+import lightning_blockwise  # noqa: F401
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.step_budget import StepPlan
+from tests.helpers.models import CONFIGS, SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+
+NUM_LAYERS = 8
+
+#: Tokens of the test batches (2 rows of SEQ): planned for from the start, so that no longer batch re-plans.
+TOKENS = 2 * SEQ
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' tiny Llama with eight layers, saved."""
+    path = tmp_path_factory.mktemp("llama8")
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = NUM_LAYERS
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def _nf4(checkpoint: Path) -> Any:
+    return lambda: build_model("llama", checkpoint=checkpoint, quantized=True)
+
+
+@pytest.fixture(scope="module")
+def mixed_budget(checkpoint: Path) -> tuple[int, StepPlan]:
+    """A budget under which 2 blocks are kept, 2 more resident and 4 stream, and the plan it gives."""
+    probe = BlockwiseStrategy(budget_tokens=TOKENS)
+    fit(CausalLMModule(_nf4(checkpoint)), probe, max_steps=1)
+    assert probe.step_plan is not None and probe._planner is not None
+    budget = probe._planner.budget
+    minimum = probe.step_plan.residency.minimum
+    for candidate in range(minimum, 2 * minimum, 2**10):
+        plan = dataclasses.replace(budget, budget=candidate, keep_activations=True).plan(TOKENS)
+        if (len(plan.residency.kept), len(plan.residency.resident)) == (2, 4):
+            return candidate, plan
+    raise AssertionError("no budget splits the blocks into kept, resident and streamed")
+
+
+class _ForwardCounts(Callback):
+    """Counts each layer's attention forwards during training (a recomputed layer runs it twice per micro-batch)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * NUM_LAYERS
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for index, layer in enumerate(pl_module.model.get_decoder().layers):
+            layer.self_attn.register_forward_hook(lambda *args, index=index: self._count(index))
+
+    def _count(self, index: int) -> None:
+        self.counts[index] += 1
+
+
+def test_kept_blocks_are_exact_and_run_once(checkpoint: Path, mixed_budget: tuple[int, StepPlan]) -> None:
+    budget, plan = mixed_budget
+    assert plan.residency.kept == (0, 1) and plan.residency.resident == (0, 1, 2, 3)
+    resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", max_steps=2)
+    counts = _ForwardCounts()
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
+    blockwise = fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[counts], max_steps=2)
+    assert strategy.step_plan is not None and strategy.step_plan.residency.kept == (0, 1)
+    assert_equal_runs(resident, blockwise)
+    micro_batches = len(blockwise.losses)
+    # Layers 0 and 1 are kept: one forward per micro-batch. The others are recomputed in the backward.
+    assert counts.counts == [micro_batches] * 2 + [2 * micro_batches] * (NUM_LAYERS - 2)
+
+
+def test_keep_activations_off_recomputes_every_layer(checkpoint: Path, mixed_budget: tuple[int, StepPlan]) -> None:
+    budget, _ = mixed_budget
+    counts = _ForwardCounts()
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, keep_activations=False)
+    run = fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[counts], max_steps=1)
+    assert strategy.step_plan is not None and strategy.step_plan.residency.kept == ()
+    # The budget buys resident blocks only, more of them than with kept graphs.
+    assert len(strategy.step_plan.residency.resident) > 4
+    assert counts.counts == [2 * len(run.losses)] * NUM_LAYERS
+
+
+class _WriteIntoKeptBlock(Callback):
+    """Control: after setup, change one weight of the kept block's device copy (what its layer computes from)."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        weight = pl_module.model.get_decoder().layers[0].mlp.down_proj.base_layer.weight
+        with torch.no_grad():
+            weight.data.view(torch.uint8)[0] ^= 1
+
+
+def test_control_kept_layers_read_their_device_copy(checkpoint: Path, mixed_budget: tuple[int, StepPlan]) -> None:
+    budget, _ = mixed_budget
+    resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", max_steps=2)
+    blockwise = fit(
+        CausalLMModule(_nf4(checkpoint)),
+        BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS),
+        callbacks=[_WriteIntoKeptBlock()],
+        max_steps=2,
+    )
+    assert runs_differ(resident, blockwise)
+
+
+def test_keep_activations_must_be_a_bool() -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=r"keep_activations='yes'\)` must be True or False"):
+        BlockwiseStrategy(keep_activations="yes")
