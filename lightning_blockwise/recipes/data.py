@@ -1,15 +1,17 @@
-"""Data modules for fine-tuning: Alpaca-style instruction pairs, and random tokens for benchmarks.
+"""Data modules for fine-tuning: instruction pairs and conversations, and random tokens for benchmarks.
 
 Nothing here touches the network: the tokenizer is a local directory the user names, or a
 byte-level tokenizer built in memory (:func:`byte_tokenizer`). The modules put together three
 others: :mod:`~lightning_blockwise.recipes.records` reads and checks the records,
-:mod:`~lightning_blockwise.recipes.encoding` turns them into token ids and labels, and
+:mod:`~lightning_blockwise.recipes.chat` renders them as text (chat templates),
+:mod:`~lightning_blockwise.recipes.encoding` turns them into token ids and labels,
+:mod:`~lightning_blockwise.recipes.packing` packs them into rows, and
 :mod:`~lightning_blockwise.recipes.sampling` orders them resumably. Their public names are
 importable from here too.
 
 Example::
 
-    data = InstructionDataModule("data/instructions.jsonl", tokenizer="/models/Qwen2.5-7B", max_length=1024)
+    data = InstructionDataModule("data/chats.jsonl", tokenizer="/models/Qwen2.5-7B", max_length=4096, packing=True)
     trainer.fit(module, datamodule=data)
 """
 
@@ -26,43 +28,62 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
 
+from lightning_blockwise.recipes.chat import AUTO, chat_format
 from lightning_blockwise.recipes.encoding import IGNORE_INDEX, PadCollator, byte_tokenizer, encode, real_targets
+from lightning_blockwise.recipes.packing import PackCollator, pack
 from lightning_blockwise.recipes.records import load_records
 from lightning_blockwise.recipes.sampling import eval_loader, train_loader
 
 
 class _Rows(Dataset):
-    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+    def __init__(self, rows: list[Any]) -> None:
         self.rows = rows
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    def __getitem__(self, index: int) -> Any:
         return self.rows[index]
 
 
 class InstructionDataModule(pl.LightningDataModule):
-    """Alpaca-style instruction pairs (JSON or JSONL with ``instruction``, ``input``, ``output``), loss on responses.
+    """Instruction records or conversations (JSON or JSONL) as training rows, loss on the assistant turns.
 
-    Each record becomes one row (see :func:`encode`): the chat template when the tokenizer
-    has one, else the Alpaca prompt; prompt and padding are -100 in the labels; rows are cut
-    at ``max_length`` tokens, and rows left with fewer than two tokens to train on (an empty
-    output, a prompt that fills ``max_length``) are dropped. The rows are split into train
-    and validation sets by ``seed``; test and predict use the validation set.
+    Records are instruction pairs (``instruction``, optional ``input``, ``output``) or
+    conversations (``messages``: ``{"role", "content"}`` turns), mixed freely (see
+    :func:`load_records`). Each becomes one example (see :func:`encode`): rendered with the
+    chat template (``chat_template``; by default the tokenizer's when it has one, else the
+    Alpaca prompt), the tokens outside assistant turns and padding -100 in the labels; examples
+    are cut at ``max_length`` tokens, and those left with fewer than two tokens to train on (an
+    empty output, a prompt that fills ``max_length``) are dropped. The examples are split into
+    train and validation sets by ``seed``; test and predict use the validation set.
+
+    With ``packing`` the examples of each set are packed into rows of at most ``max_length``
+    tokens once, at setup (:func:`~lightning_blockwise.recipes.packing.pack`), and a batch is
+    ``batch_size`` rows, each example attending only to itself (NOTE [ Packed rows ] in
+    recipes/packing.py): the batches hold ``position_ids`` and ``use_cache=False`` and no
+    attention mask, so the module must pass the batch whole to the model (``model(**batch)``).
+    The rows are shuffled each epoch and resume exactly like unpacked examples.
 
     Args:
         path: The JSON or JSONL file.
         tokenizer: A local tokenizer directory (e.g. the checkpoint's); ``None`` builds the
             byte-level :func:`byte_tokenizer`. Never downloaded.
-        max_length: Longest row in tokens; longer rows are truncated.
-        batch_size: Rows per batch.
-        val_fraction: Fraction of the rows held out for validation (at least one row when above 0).
+        max_length: Longest example in tokens (longer ones are truncated); with ``packing``, longest row too.
+        batch_size: Examples per batch; with ``packing``, packed rows per batch.
+        val_fraction: Fraction of the examples held out for validation (at least one when above 0).
         num_workers: DataLoader worker processes.
         seed: Seed of the split and of the training shuffle.
+        chat_template: ``"auto"``: the tokenizer's chat template if it has one, else the Alpaca prompt;
+            ``"alpaca"``: the Alpaca prompt; else a Jinja chat template, its source or a file holding it. The one in
+            use is logged at setup.
+        assistant_only_loss: Train on the assistant turns only (instruction records: the output); ``False`` trains
+            on every token.
+        packing: Pack several examples into each row of ``max_length`` tokens.
 
     Raises:
-        MisconfigurationException: If ``max_length`` < 2 or ``val_fraction`` is not in [0, 1).
+        MisconfigurationException: If ``max_length`` < 2, ``val_fraction`` is not in [0, 1), or ``chat_template`` is
+            not one of its choices.
     """
 
     def __init__(
@@ -74,6 +95,9 @@ class InstructionDataModule(pl.LightningDataModule):
         val_fraction: float = 0.1,
         num_workers: int = 0,
         seed: int = 0,
+        chat_template: str = AUTO,
+        assistant_only_loss: bool = True,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         if max_length < 2:
@@ -85,34 +109,47 @@ class InstructionDataModule(pl.LightningDataModule):
             byte_tokenizer() if tokenizer is None else AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         )
         if self.tokenizer.pad_token_id is None:
-            # Padding is masked everywhere (mask 0, label -100), so any id serves; EOS is the usual choice.
+            # Padding is masked everywhere (label -100, and mask 0 or a sequence of its own), so any id serves.
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.vocab_size = len(self.tokenizer)
+        # Resolved here, so that a bad `chat_template` is refused before the data are read.
+        self.chat = chat_format(self.tokenizer, chat_template)
         self.train_set: _Rows | None = None
         self.val_set: _Rows | None = None
         self.dropped = 0
 
     def setup(self, stage: str) -> None:
-        """Read, encode, filter and split the records (once)."""
+        """Read, encode, filter and split the records, and pack them if asked (once)."""
         if self.train_set is not None:
             return
         hp = self.hparams
-        rows = [encode(r, self.tokenizer, hp.max_length) for r in load_records(hp.path)]
+        rank_zero_info(f"InstructionDataModule: rendering the records with {self.chat.name}.")
+        records = load_records(hp.path)
+        rows = [encode(r, self.tokenizer, hp.max_length, self.chat, hp.assistant_only_loss) for r in records]
         kept = [row for row in rows if real_targets(row["labels"]) >= 2]
         self.dropped = len(rows) - len(kept)
         if not kept:
             raise MisconfigurationException(
-                f"InstructionDataModule: none of the {len(rows)} records of {hp.path} has two response tokens to train"
-                f" on within max_length={hp.max_length}. Raise `max_length` or check the `output` fields."
+                f"InstructionDataModule: none of the {len(rows)} records of {hp.path} has two tokens to train on"
+                f" within max_length={hp.max_length}. Raise `max_length` or check the `output` fields (the"
+                " assistant turns)."
             )
         order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(hp.seed)).tolist()
         num_val = max(1, round(hp.val_fraction * len(kept))) if hp.val_fraction > 0 and len(kept) > 1 else 0
-        self.val_set = _Rows([kept[i] for i in order[:num_val]])
-        self.train_set = _Rows([kept[i] for i in order[num_val:]])
+        val = [kept[i] for i in order[:num_val]]
+        train = [kept[i] for i in order[num_val:]]
         rank_zero_info(
-            f"InstructionDataModule: {len(self.train_set)} train and {len(self.val_set)} validation rows from"
-            f" {hp.path}; {self.dropped} dropped (fewer than two response tokens within max_length={hp.max_length})."
+            f"InstructionDataModule: {len(train)} train and {len(val)} validation examples from {hp.path};"
+            f" {self.dropped} dropped (fewer than two tokens to train on within max_length={hp.max_length})."
         )
+        if hp.packing:
+            train, val = self._pack(train), self._pack(val)
+            tokens = sum(len(example["input_ids"]) for row in train for example in row)
+            rank_zero_info(
+                f"InstructionDataModule: packed into {len(train)} train and {len(val)} validation rows of at most"
+                f" {hp.max_length} tokens (the train rows {tokens / max(1, len(train) * hp.max_length):.0%} full)."
+            )
+        self.train_set, self.val_set = _Rows(train), _Rows(val)
 
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled training batches, in an order fixed by ``seed``; a checkpoint resumes it mid-epoch.
@@ -134,11 +171,19 @@ class InstructionDataModule(pl.LightningDataModule):
         """The validation batches, to predict on."""
         return self._validation_loader()
 
+    def _pack(self, examples: list[dict[str, list[int]]]) -> list[list[dict[str, list[int]]]]:
+        # Once, at setup, not per epoch: the number of rows (Lightning's batches per epoch, and the schedule's
+        # length) stays fixed, and `_EpochOrder` shuffles and resumes the rows as it does examples.
+        bins = pack([len(example["input_ids"]) for example in examples], self.hparams.max_length)
+        return [[examples[i] for i in b] for b in bins]
+
     def _validation_loader(self) -> DataLoader:
         return eval_loader(self.val_set, self.hparams.batch_size, self.hparams.seed, **self._loader_options())
 
     def _loader_options(self) -> dict[str, Any]:
-        return {"collate_fn": PadCollator(self.tokenizer.pad_token_id), "num_workers": self.hparams.num_workers}
+        pad_id = self.tokenizer.pad_token_id
+        collate = PackCollator(pad_id) if self.hparams.packing else PadCollator(pad_id)
+        return {"collate_fn": collate, "num_workers": self.hparams.num_workers}
 
 
 class _RandomTokens(Dataset):
@@ -196,6 +241,7 @@ class SyntheticTokensDataModule(pl.LightningDataModule):
 __all__ = [
     "IGNORE_INDEX",
     "InstructionDataModule",
+    "PackCollator",
     "PadCollator",
     "SyntheticTokensDataModule",
     "byte_tokenizer",

@@ -1,4 +1,4 @@
-"""Instruction records as token ids and labels, loss on the response only; padded batches of them.
+"""Records as token ids and labels, loss on the assistant turns only; padded batches of them.
 
 Nothing here touches the network: the tokenizer is one the caller built, or the byte-level
 tokenizer built in memory (:func:`byte_tokenizer`).
@@ -15,16 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from lightning_blockwise.recipes.chat import ChatFormat, Segment, chat_format
+from lightning_blockwise.recipes.records import is_conversation
+
 #: The ignore index of the Hugging Face causal-LM loss: no loss where a label is -100.
 IGNORE_INDEX = -100
-
-#: The prompt format for tokenizers without a chat template (Alpaca's).
-_ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-_ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -47,45 +45,57 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def encode(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict[str, list[int]]:
-    """Token ids and labels of one instruction record: loss on the response only.
+def encode(
+    record: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    chat: ChatFormat | None = None,
+    assistant_only_loss: bool = True,
+) -> dict[str, list[int]]:
+    """Token ids and labels of one record (instruction or conversation): by default, loss on assistant turns only.
 
-    With a chat template the instruction (and input) form the user turn and the output the
-    assistant turn; without one the Alpaca prompt is used, the response closed by the EOS
-    token. Prompt tokens are labelled -100; the row is cut at ``max_length`` tokens.
+    An instruction record is a user turn (the instruction, and the input) and an assistant
+    turn (the output). The conversation is rendered by ``chat`` (see
+    :mod:`~lightning_blockwise.recipes.chat`); each run of text that is trained on, or not, is
+    tokenized apart, so that no token straddles the boundary of the mask. With
+    ``assistant_only_loss`` the tokens outside assistant turns are labelled -100, else every
+    token is a target. The row is cut at ``max_length`` tokens.
 
     Args:
-        record: ``instruction``, optional ``input``, ``output``.
+        record: ``instruction``, optional ``input``, ``output``; or ``messages``.
         tokenizer: The tokenizer.
         max_length: Longest row in tokens.
+        chat: The chat format; ``None``: ``chat_format(tokenizer, "auto")``, the tokenizer's template if it has one,
+            else Alpaca.
+        assistant_only_loss: Train on the assistant turns only (else on every token).
 
     Raises:
-        MisconfigurationException: If the chat template does not render the prompt as a prefix of the whole turn.
+        MisconfigurationException: If the chat template's renderings of the conversation are not prefixes of each
+            other, so the assistant turns cannot be told apart (NOTE [ Assistant masks from rendered prefixes ]).
     """
-    instruction, extra, output = record["instruction"], record.get("input") or "", record["output"]
-    if tokenizer.chat_template:
-        user = {"role": "user", "content": f"{instruction}\n\n{extra}" if extra else instruction}
-        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template([user, {"role": "assistant", "content": output}], tokenize=False)
-        if not full.startswith(prompt):
-            raise MisconfigurationException(
-                "InstructionDataModule: the tokenizer's chat template does not render the prompt (with the generation"
-                " prompt) as a prefix of the full conversation, so the response cannot be told apart for masking."
-                " Use a tokenizer whose template does, or remove its `chat_template` to use the Alpaca format."
-            )
-        response = full[len(prompt) :]
-        prefix: list[int] = []
+    chat = chat_format(tokenizer) if chat is None else chat
+    if is_conversation(record):
+        messages = record["messages"]
     else:
-        template = _ALPACA_PROMPT_WITH_INPUT if extra else _ALPACA_PROMPT
-        prompt = template.format(instruction=instruction, input=extra)
-        response = output + (tokenizer.eos_token or "")
-        prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    # Prompt and response are tokenized apart so that no token straddles the boundary of the mask.
-    prompt_ids = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-    input_ids = (prompt_ids + response_ids)[:max_length]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[:max_length]
-    return {"input_ids": input_ids, "labels": labels}
+        messages = chat.instruction_messages(record["instruction"], record.get("input") or "", record["output"])
+    input_ids = chat.leading_ids(tokenizer)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for text, trained in _runs(chat.segments(messages)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        input_ids += ids
+        labels += ids if trained or not assistant_only_loss else [IGNORE_INDEX] * len(ids)
+    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
+
+
+def _runs(segments: list[Segment]) -> list[tuple[str, bool]]:
+    """Adjacent segments of the same kind joined, so that each is tokenized as one text (a prompt stays whole)."""
+    runs: list[tuple[str, bool]] = []
+    for segment in segments:
+        if runs and runs[-1][1] == segment.trained:
+            runs[-1] = (runs[-1][0] + segment.text, segment.trained)
+        elif segment.text:
+            runs.append((segment.text, segment.trained))
+    return runs
 
 
 def real_targets(labels: list[int]) -> int:

@@ -25,6 +25,7 @@ from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy import BlockwiseStrategy
@@ -226,6 +227,15 @@ class CausalLMFineTune(pl.LightningModule):
         rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        if is_packed(batch):
+            try:
+                check_packed_attention(self.model)
+            except ValueError as error:
+                raise MisconfigurationException(
+                    f"CausalLMFineTune: {error} Load the model with `attn_implementation='sdpa'` (or 'eager'), or"
+                    " turn off the data module's `packing`."
+                ) from None
+        # The whole batch goes to the model: a packed one's `position_ids` and `use_cache=False` included.
         if self.loss_chunk_tokens is None:
             return self.model(**batch).loss
         return chunked_causal_lm_loss(self.model, chunk_tokens=self.loss_chunk_tokens, **batch).loss

@@ -21,6 +21,7 @@ from lightning_blockwise.recipes.data import (
     load_records,
     real_targets,
 )
+from lightning_blockwise.recipes.records import is_conversation
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A minimal chat template: each turn is <|role|>content</s>, and the generation prompt opens the assistant turn.
@@ -237,6 +238,32 @@ def test_jsonl_record_that_is_not_an_object_names_its_line(tmp_path: Path) -> No
         load_records(path)
 
 
+CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
+@pytest.mark.parametrize(
+    ("record", "where"),
+    [
+        ({"messages": "Hi"}, r"line 2 of .*d\.jsonl has `messages` = \"Hi\", which must be a non-empty list"),
+        ({"messages": []}, r"line 2 of .*d\.jsonl has `messages` = \[\], which must be a non-empty list"),
+        ({"messages": [{"role": "user"}]}, r"line 2 of .*: message 0 \(counting from 0\) is .* string `role` and"),
+        ({"messages": CHAT["messages"][:1]}, r"line 2 of .* has no `assistant` message \(roles: \['user'\]\)"),
+        ({**CHAT, "output": "x"}, r"line 2 of .* has `messages` and also `output`: a record is either"),
+        ({"text": "Hi"}, r"line 2 of .* needs string fields `instruction` and `output` .*, or `messages`"),
+    ],
+)
+def test_bad_conversation_records_are_refused(tmp_path: Path, record: dict, where: str) -> None:
+    path = _write(tmp_path / "d.jsonl", [CHAT, record], jsonl=True)
+    with pytest.raises(MisconfigurationException, match=where):
+        load_records(path)
+
+
+def test_conversation_and_instruction_records_mix(tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.jsonl", [CHAT, RECORDS[0]], jsonl=True)
+    chat, instruction = load_records(path)
+    assert chat == CHAT and is_conversation(chat) and not is_conversation(instruction)
+
+
 # Resumable data order: see NOTE [ Resumable data order ] in lightning_blockwise/recipes/sampling.py.
 
 
@@ -244,8 +271,13 @@ def _numbered(path: Path, count: int = 22) -> Path:
     return _write(path, [{"instruction": f"n{i}", "output": f"{i:03d}"} for i in range(count)], jsonl=True)
 
 
-def _instruction_data(path: Path) -> InstructionDataModule:
-    data = InstructionDataModule(str(path), batch_size=4, val_fraction=0.0, seed=5)
+#: With packing, two examples (of 40-41 tokens) a row and two rows a batch: as many batches as 4 examples a batch.
+PACKED = {"packing": True, "max_length": 90, "batch_size": 2}
+
+
+def _instruction_data(path: Path, packing: bool = False) -> InstructionDataModule:
+    options = PACKED if packing else {"batch_size": 4}
+    data = InstructionDataModule(str(path), val_fraction=0.0, seed=5, **options)
     data.setup("fit")
     return data
 
@@ -258,23 +290,29 @@ def _stream(loader: object, count: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
+def _equal(a: object, b: object) -> bool:
+    """Tensors elementwise, anything else (a packed batch's `use_cache`) by value."""
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def _same(left: list[dict[str, torch.Tensor]], right: list[dict[str, torch.Tensor]]) -> bool:
     return len(left) == len(right) and all(
-        a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a) for a, b in zip(left, right, strict=True)
+        a.keys() == b.keys() and all(_equal(a[key], b[key]) for key in a) for a, b in zip(left, right, strict=True)
     )
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["examples", "packed"])
 @pytest.mark.parametrize("k", [0, 2, 6])
-def test_train_loader_state_resumes_the_order_across_epochs(tmp_path: Path, k: int) -> None:
+def test_train_loader_state_resumes_the_order_across_epochs(tmp_path: Path, k: int, packing: bool) -> None:
     path = _numbered(tmp_path / "d.jsonl")
-    per_epoch = len(_instruction_data(path).train_dataloader())
+    per_epoch = len(_instruction_data(path, packing).train_dataloader())
     assert per_epoch == 6
-    reference = _stream(_instruction_data(path).train_dataloader(), 4 * per_epoch)
+    reference = _stream(_instruction_data(path, packing).train_dataloader(), 4 * per_epoch)
     epoch0, epoch1 = reference[:per_epoch], reference[per_epoch : 2 * per_epoch]
     assert not _same(epoch0, epoch1), "every epoch has an order of its own"
 
     # One whole epoch, then k batches of the next (k = 6: all of it, without the final StopIteration).
-    interrupted = _instruction_data(path).train_dataloader()
+    interrupted = _instruction_data(path, packing).train_dataloader()
     list(interrupted)
     batches = iter(interrupted)
     for _ in range(k):
@@ -284,12 +322,12 @@ def test_train_loader_state_resumes_the_order_across_epochs(tmp_path: Path, k: i
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
 
-    resumed = _instruction_data(path).train_dataloader()
+    resumed = _instruction_data(path, packing).train_dataloader()
     resumed.load_state_dict(state)
     cut = per_epoch + k
     assert _same(_stream(resumed, 2 * per_epoch), reference[cut : cut + 2 * per_epoch])
     # Control: without the state, a fresh loader starts over at epoch 0.
-    fresh = _stream(_instruction_data(path).train_dataloader(), 2 * per_epoch)
+    fresh = _stream(_instruction_data(path, packing).train_dataloader(), 2 * per_epoch)
     assert _same(fresh, reference[: 2 * per_epoch]) and not _same(fresh, reference[cut : cut + 2 * per_epoch])
 
 
@@ -351,7 +389,12 @@ class _Recorder(pl.LightningModule):
 
 
 def _fit(
-    path: Path, root: Path, checkpoint: dict | None = None, ckpt_path: str | None = None, **trainer: object
+    path: Path,
+    root: Path,
+    checkpoint: dict | None = None,
+    ckpt_path: str | None = None,
+    packing: bool = False,
+    **trainer: object,
 ) -> list:
     module = _Recorder()
     fitter = pl.Trainer(
@@ -366,28 +409,32 @@ def _fit(
         default_root_dir=root,
         **trainer,
     )
-    data = InstructionDataModule(str(path), batch_size=4, val_fraction=0.1, seed=5)
+    options = PACKED if packing else {"batch_size": 4}
+    data = InstructionDataModule(str(path), val_fraction=0.1, seed=5, **options)
     fitter.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return module.seen
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 @pytest.mark.parametrize(
-    ("checkpoint", "step", "per_epoch"),
+    ("checkpoint", "step", "per_epoch", "packing"),
     [
-        ({"every_n_train_steps": 4}, 8, 6),  # mid-epoch 1: Lightning hands the loader its state
-        ({"every_n_train_steps": 6}, 6, 6),  # after the last batch of epoch 0: the state has every row yielded
-        ({"every_n_train_steps": 4}, 4, 4),  # after the last batch of epoch 0 cut short by `limit_train_batches`
-        ({}, 6, 6),  # at the end of epoch 0, after validation: Lightning does not restore the loader's state
+        ({"every_n_train_steps": 4}, 8, 6, False),  # mid-epoch 1: Lightning hands the loader its state
+        ({"every_n_train_steps": 6}, 6, 6, False),  # after the last batch of epoch 0: the state has every row yielded
+        ({"every_n_train_steps": 4}, 4, 4, False),  # after the last batch of epoch 0 cut short by `limit_train_batches`
+        ({}, 6, 6, False),  # at the end of epoch 0, after validation: Lightning does not restore the loader's state
+        ({"every_n_train_steps": 4}, 8, 6, True),  # the same with packed rows: mid-epoch 1
+        ({}, 6, 6, True),  # and at the end of epoch 0
     ],
 )
 def test_fit_resumed_from_a_checkpoint_trains_on_the_same_batches(
-    tmp_path: Path, checkpoint: dict, step: int, per_epoch: int
+    tmp_path: Path, checkpoint: dict, step: int, per_epoch: int, packing: bool
 ) -> None:
-    path = _numbered(tmp_path / "d.jsonl", count=23)  # 21 training rows: 6 batches an epoch
-    reference = _fit(path, tmp_path / "run", checkpoint, limit_train_batches=per_epoch)
+    path = _numbered(tmp_path / "d.jsonl", count=23)  # 21 training examples: 6 batches an epoch (packed: 11 rows)
+    reference = _fit(path, tmp_path / "run", checkpoint, packing=packing, limit_train_batches=per_epoch)
     assert [epoch for epoch, _ in reference] == [0] * per_epoch + [1] * per_epoch + [2] * per_epoch
     ckpt_path = str(tmp_path / "run" / f"step={step}.ckpt")
-    assert _fit(path, tmp_path / "resumed", ckpt_path=ckpt_path, limit_train_batches=per_epoch) == reference[step:]
+    resumed = _fit(path, tmp_path / "resumed", ckpt_path=ckpt_path, packing=packing, limit_train_batches=per_epoch)
+    assert resumed == reference[step:]
     # Control: the epochs differ, so a resume that replayed epoch 0 would have been caught.
     assert [batch for _, batch in reference[:per_epoch]] != [batch for _, batch in reference[per_epoch : 2 * per_epoch]]
