@@ -46,6 +46,7 @@ def plan_fields(residency: Any) -> dict[str, Any]:
         "predicted_reserved_bytes": residency.predicted_reserved,
         "minimum_bytes": residency.minimum,
         "resident_blocks": len(residency.resident),
+        "kept_blocks": len(residency.kept),
         "num_slots": residency.num_slots,
         "slot_bytes": residency.slot_bytes,
     }
@@ -72,6 +73,7 @@ def print_report(report: dict[str, Any]) -> None:
         (
             "VRAM, predicted peak",
             f"{format_gb(report['predicted_peak_bytes'])} allocated ({report['resident_blocks']} blocks resident,"
+            f" {report['kept_blocks']} of them keeping their activations,"
             f" {report['num_slots']} slots of {report['slot_bytes'] / 1e6:.1f} MB){_over_the_card(report)}",
         ),
         (
@@ -156,7 +158,7 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
             card,
             f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])} allocated"
             f" ({format_gb(advice['predicted_reserved_bytes'])} with the allocator's headroom),"
-            f" {advice['resident_blocks']} blocks resident",
+            f" {advice['resident_blocks']} blocks resident, {advice['kept_blocks']} keeping their activations",
         )
     ]
     if advice["offload_activations"]:

@@ -123,6 +123,7 @@ class ModelSizes:
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
         device_limit: int | None = None,
+        keep_activations: bool = True,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
 
@@ -137,11 +138,12 @@ class ModelSizes:
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
             device_limit: Without a budget, the device bytes beyond which automatic offload turns on.
+            keep_activations: The strategy's ``keep_activations`` (NOTE [ Kept activations ] in memory.py).
 
         Raises:
             ValueError: If ``block_size`` is out of range.
         """
-        BlockPlan(num_layers=self.num_layers, block_size=block_size)  # refuses a block size out of range
+        blocks = BlockPlan(num_layers=self.num_layers, block_size=block_size)  # refuses a block size out of range
         return StepBudget(
             config=self.config,
             num_layers=self.num_layers,
@@ -155,6 +157,8 @@ class ModelSizes:
             loss_chunk_tokens=loss_chunk_tokens,
             mlp_tile_tokens=mlp_tile_tokens,
             device_limit=device_limit,
+            block_layers=[len(blocks.layers_of(block)) for block in range(blocks.num_blocks)],
+            keep_activations=keep_activations,
         )
 
     def residency(
@@ -166,6 +170,7 @@ class ModelSizes:
         offload_inputs: bool = False,
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
+        keep_activations: bool = True,
     ) -> ResidencyPlan:
         """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
 
@@ -177,13 +182,15 @@ class ModelSizes:
             offload_inputs: Layer inputs wait for the backward in host memory (``offload_activations=True``).
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
+            keep_activations: The strategy's ``keep_activations``.
 
         Raises:
             ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
         """
         budgeted = self.step_budget(
-            block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens
-        )
+            block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
+            keep_activations=keep_activations,
+        )  # fmt: skip
         return budgeted.plan(tokens).residency
 
 

@@ -302,10 +302,10 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
     assert strategy.reference_headroom() == 80 * gb + 1 * gb - 3 * gb
     fraction["value"] = 0.25  # 21.5 GB for the process: 21.5 - 5 allocated - 3 still needed
     assert strategy.reference_headroom() == 13.5 * gb
-    # The budget binds tighter still: as the allocator's cap, 10 GB hold (10 GB - 40 MiB) / 1.1 of allocations
+    # The budget binds tighter still: as the allocator's cap, 10 GB hold (10 GB - 128 MiB) / 1.1 of allocations
     # (NOTE [ A budget is a cap on the card ]), less the 8 planned.
     strategy.vram_budget = 10 * gb
-    assert strategy.reference_headroom() == (10 * gb - 40 * 2**20) * 100 // 110 - 8 * gb
+    assert strategy.reference_headroom() == (10 * gb - 128 * 2**20) * 100 // 110 - 8 * gb
 
 
 def test_check_leaves_the_instruction_data_module_alone() -> None:

@@ -86,8 +86,9 @@ def test_budget_parity(checkpoint: Path) -> None:
     probe = BlockwiseStrategy(block_size=1)
     _fit(checkpoint, probe, max_steps=1)
     assert probe.residency_plan is not None and probe.host_copy is not None
-    budget = probe.residency_plan.minimum + 3 * probe.host_copy.layouts[0].nbytes
-    strategy = BlockwiseStrategy(block_size=1, vram_budget=budget)
+    # Resident blocks only (kept ones: test_kept_activations_parity); 10% more per block for the allocator.
+    budget = probe.residency_plan.minimum + 4 * probe.host_copy.layouts[0].nbytes
+    strategy = BlockwiseStrategy(block_size=1, vram_budget=budget, keep_activations=False)
     assert_equal_runs(resident, _fit(checkpoint, strategy))
     assert strategy.residency_plan is not None and len(strategy.residency_plan.resident) >= 3
 
