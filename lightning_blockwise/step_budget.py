@@ -72,6 +72,7 @@ class StepBudget:
         block_layers: Decoder layers in each block.
         keep_activations: With a budget, keep blocks' graphs instead of recomputing them where they
             fit (NOTE [ Kept activations ] in planning/memory.py).
+        adapter_dropout: The adapters apply dropout (a kept graph holds their dropped-out inputs).
     """
 
     config: Any
@@ -88,6 +89,7 @@ class StepBudget:
     device_limit: int | None
     block_layers: Sequence[int] = ()
     keep_activations: bool = False
+    adapter_dropout: bool = True
 
     @classmethod
     def for_module(
@@ -139,6 +141,7 @@ class StepBudget:
             device_limit=device_limit(device),
             block_layers=list(block_layers),
             keep_activations=keep_activations,
+            adapter_dropout=_has_dropout(module),
         )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
@@ -151,6 +154,7 @@ class StepBudget:
             offload_inputs=offload,
             loss_chunk_tokens=self.loss_chunk_tokens,
             mlp_tile_tokens=self.mlp_tile_tokens,
+            adapter_dropout=self.adapter_dropout,
         )
 
     def plan(self, tokens: int) -> StepPlan:
@@ -250,6 +254,11 @@ def batch_tokens(batch: Any) -> int | None:
             if isinstance(item, Tensor) and not item.is_floating_point() and item.dim() >= 1:
                 return item.numel()
     return None
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    """Whether any dropout with ``p > 0`` is in ``module`` (PEFT's adapter dropout is an ``nn.Dropout``)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
 
 def _declared_count(module: Any, name: str) -> int | None:

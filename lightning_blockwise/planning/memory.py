@@ -46,6 +46,8 @@ class StepShape:
             as Hugging Face's loss does.
         mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
             (:func:`~lightning_blockwise.tiling.tile_mlps`); ``None``: untiled.
+        adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
+            holds); assumed when unknown.
     """
 
     tokens: int
@@ -57,6 +59,7 @@ class StepShape:
     offload_inputs: bool = False
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
+    adapter_dropout: bool = True
 
     @classmethod
     def for_config(
@@ -68,6 +71,7 @@ class StepShape:
         offload_inputs: bool = False,
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
+        adapter_dropout: bool = True,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -79,6 +83,7 @@ class StepShape:
             offload_inputs: Layer inputs wait for the backward in host memory.
             loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
             mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
+            adapter_dropout: The adapters apply dropout to their inputs.
         """
         config = getattr(config, "text_config", None) or config
         return cls(
@@ -91,6 +96,7 @@ class StepShape:
             offload_inputs=offload_inputs,
             loss_chunk_tokens=loss_chunk_tokens,
             mlp_tile_tokens=mlp_tile_tokens,
+            adapter_dropout=adapter_dropout,
         )
 
     def activation_peak(self) -> int:
@@ -142,12 +148,15 @@ class StepShape:
     def layer_graph(self) -> int:
         """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).
 
-        Eight hidden-sized and four MLP-sized tensors per token: resident training without
-        checkpointing measured 192 and 203 KB per token and layer at the Qwen2.5-7B shape (2048 and
-        4096 tokens, H100, LoRA r16 on all seven projections; ``benchmarks/results/h100_long_context.jsonl``),
-        against 209 predicted.
+        Eight hidden-sized and four MLP-sized tensors per token, and with adapter dropout six
+        hidden-sized and one MLP-sized more (each adapter keeps its dropped-out input): resident
+        training without checkpointing measured 192 and 203 KB per token and layer at the Qwen2.5-7B
+        shape without dropout (2048 and 4096 tokens, H100, LoRA r16 on all seven projections;
+        ``benchmarks/results/h100_long_context.jsonl``), 209 predicted; kept layers of the Qwen2.5-32B
+        shape with dropout 0.05 about 387 (``benchmarks/card_check.py``, 1024 tokens), 420 predicted.
         """
-        return self.tokens * (8 * self.hidden_size + 4 * self.intermediate_size) * self.activation_bytes
+        hidden, mlp = (14, 5) if self.adapter_dropout else (8, 4)
+        return self.tokens * (hidden * self.hidden_size + mlp * self.intermediate_size) * self.activation_bytes
 
 
 # NOTE [ A budget is a cap on the card ]
