@@ -49,8 +49,12 @@ class DeviceMemoryCap:
 
 
 def expandable_segments_choice() -> bool | None:
-    """The user's ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``, or ``None`` when it is not named."""
-    for entry in os.environ.get(_CONF_VARIABLE, "").split(","):
+    """The user's ``expandable_segments``, or ``None`` when neither allocator variable names it.
+
+    torch reads ``PYTORCH_ALLOC_CONF`` first and ``PYTORCH_CUDA_ALLOC_CONF`` when that is unset.
+    """
+    conf = os.environ.get("PYTORCH_ALLOC_CONF")
+    for entry in (os.environ.get(_CONF_VARIABLE, "") if conf is None else conf).split(","):
         key, _, value = entry.partition(":")
         if key.strip() == "expandable_segments":
             return value.strip().lower() == "true"

@@ -17,6 +17,12 @@ CARD = 80 * 2**30
 DEVICE = torch.device("cuda", 0)
 
 
+@pytest.fixture(autouse=True)
+def _no_general_allocator_conf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PYTORCH_ALLOC_CONF would win over the PYTORCH_CUDA_ALLOC_CONF the tests set."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+
+
 class _FakeCuda:
     """The per-process fraction and the allocator setting of one fake card."""
 
@@ -49,6 +55,11 @@ class _FakeCuda:
 def test_the_users_choice_is_read(monkeypatch: pytest.MonkeyPatch, conf: str, expected: bool | None) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     assert expandable_segments_choice() is expected
+    # torch reads PYTORCH_ALLOC_CONF first, and then ignores the CUDA-specific variable.
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert expandable_segments_choice() is False
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "")
+    assert expandable_segments_choice() is None
 
 
 def test_budget_becomes_the_cap_and_teardown_puts_back_what_it_found(monkeypatch: pytest.MonkeyPatch) -> None:

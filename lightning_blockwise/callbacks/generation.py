@@ -121,11 +121,17 @@ class SampleGenerations(Callback):
         self.use_cache = use_cache
         self.samples: list[Sample] = []
         self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._leading_ids: list[int] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Before the model is built: a text prompt with nothing to tokenize it is refused first.
         self._tokenizer = _find_tokenizer(pl_module, trainer.datamodule)
+        # A data module that renders its rows with a chat format (InstructionDataModule's `chat`) says what the
+        # training rows start with: the prompts start the same way (recipes/encoding.py).
+        chat = getattr(trainer.datamodule, "chat", None)
+        leading = getattr(chat, "leading_ids", None)
+        self._leading_ids = list(leading(self._tokenizer)) if callable(leading) and self._tokenizer else None
         if self._tokenizer is None and isinstance(self.prompts[0], str):
             raise MisconfigurationException(
                 "`SampleGenerations` was given text prompts but found no tokenizer: neither"
@@ -199,10 +205,14 @@ class SampleGenerations(Callback):
         return output[:, length:].cpu()
 
     def _encode(self, prompt: str | tuple[int, ...]) -> list[int]:
-        if isinstance(prompt, str):
-            assert self._tokenizer is not None  # refused at setup otherwise
+        if not isinstance(prompt, str):
+            return list(prompt)
+        assert self._tokenizer is not None  # refused at setup otherwise
+        if self._leading_ids is None:
             return list(self._tokenizer(prompt)["input_ids"])
-        return list(prompt)
+        # As the training rows: the format's leading ids (Alpaca's BOS), then the text without the tokenizer's own
+        # special tokens (a rendered chat template writes its own BOS as text).
+        return self._leading_ids + list(self._tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def _decode(self, tokens: Tensor) -> str | None:
         return None if self._tokenizer is None else self._tokenizer.decode(tokens, skip_special_tokens=True)

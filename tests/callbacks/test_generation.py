@@ -244,3 +244,23 @@ def test_generations_reach_tensorboard(tmp_path: Path) -> None:
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
     events.Reload()
     assert {"samples/0/text_summary", "samples/1/text_summary"} <= set(events.Tags()["tensors"])
+
+
+def test_text_prompts_are_encoded_as_the_training_rows_start() -> None:
+    """With the data module's chat format a prompt's ids are those its training row starts with (Alpaca: BOS first)."""
+    from types import SimpleNamespace
+
+    from lightning_blockwise.recipes.data import InstructionDataModule
+    from lightning_blockwise.recipes.encoding import encode
+
+    data = InstructionDataModule("data/instructions.jsonl", chat_template="alpaca")
+    record = {"instruction": "Reverse the word.", "input": "moon", "output": "noom"}
+    row = encode(record, data.tokenizer, max_length=512, chat=data.chat)
+    prompt = "### Instruction:\nReverse the word.\n\n### Input:\nmoon\n\n### Response:\n"
+    callback = SampleGenerations([prompt], max_new_tokens=4)
+    callback.setup(SimpleNamespace(datamodule=data), CausalLMModule(lambda: build_model("llama")), "fit")
+    ids = callback._encode(prompt)
+    assert ids[0] == data.tokenizer.bos_token_id
+    assert ids == row["input_ids"][: len(ids)] and row["labels"][len(ids)] != -100
+    # Control: the tokenizer's own special tokens (no BOS from this one) are not what training saw.
+    assert list(data.tokenizer(prompt)["input_ids"]) != row["input_ids"][: len(ids)]
