@@ -21,7 +21,16 @@ from transformers import AutoModelForCausalLM
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.step_budget import StepPlan
-from tests.helpers.models import CONFIGS, SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import (
+    CONFIGS,
+    SEQ,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    fit,
+    padded_batches,
+    runs_differ,
+)
 
 NUM_LAYERS = 8
 
@@ -124,3 +133,45 @@ def test_keep_activations_must_be_a_bool() -> None:
 
     with pytest.raises(MisconfigurationException, match=r"keep_activations='yes'\)` must be True or False"):
         BlockwiseStrategy(keep_activations="yes")
+
+
+class _KeptPerStep(Callback):
+    def __init__(self) -> None:
+        self.kept: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        plan = trainer.strategy.step_plan
+        self.kept.append(None if plan is None else plan.residency.kept)
+
+
+def test_a_longer_batch_keeps_fewer_blocks_and_stays_exact(checkpoint: Path) -> None:
+    """Planned for short batches, the run meets longer ones: fewer blocks keep their graphs, and the run is exact."""
+    short, long = 2 * 6, 2 * SEQ
+    probe = BlockwiseStrategy(budget_tokens=short)
+    fit(CausalLMModule(_nf4(checkpoint)), probe, max_steps=1)
+    assert probe._planner is not None and probe.step_plan is not None
+    budget = None
+    for candidate in range(probe.step_plan.residency.minimum, 3 * probe.step_plan.residency.minimum, 2**10):
+        planner = dataclasses.replace(probe._planner.budget, budget=candidate, keep_activations=True)
+        try:
+            at_short, at_long = planner.plan(short).residency.kept, planner.plan(long).residency.kept
+        except ValueError:
+            continue
+        if 0 < len(at_long) < len(at_short):
+            budget = candidate
+            break
+    assert budget is not None, "no budget keeps fewer blocks for the longer batches"
+    batches = padded_batches(4, batch_size=2, seq=6) + padded_batches(4, batch_size=2, seq=SEQ, seed=7)
+    resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", batches, max_steps=4)
+    kept = _KeptPerStep()
+    blockwise = fit(
+        CausalLMModule(_nf4(checkpoint)),
+        BlockwiseStrategy(vram_budget=budget, budget_tokens=short),
+        batches,
+        callbacks=[kept],
+        max_steps=4,
+    )
+    assert_equal_runs(resident, blockwise)
+    # The plan was made again in the first long micro-batch's training step (the fifth), before its forward:
+    # fewer kept blocks from then on (the callback sees each micro-batch's plan before its step).
+    assert len(kept.kept[5]) < len(kept.kept[0]) and kept.kept[:5] == [kept.kept[0]] * 5
