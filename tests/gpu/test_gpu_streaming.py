@@ -115,6 +115,6 @@ def test_kept_activations_parity(checkpoint: Path) -> None:
     assert strategy.residency_plan is not None
     kept, kept_resident = strategy.residency_plan.kept, strategy.residency_plan.resident
     predicted = strategy.residency_plan.predicted_peak
-    print(f"\n[kept activations] kept {kept}, resident {kept_resident}; allocated {allocated} B, predicted {predicted} B")
+    print(f"\n[kept activations] kept {kept}, resident {kept_resident}; allocated {allocated}, predicted {predicted}")
     assert 0 < len(kept) < len(kept_resident) < 8
     assert allocated <= predicted  # the kept graphs' memory model is never under
