@@ -21,9 +21,10 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
-from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FrozenBase, save_unbuffered
-from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
-from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap, check_cap
+from lightning_blockwise.checkpoint_hooks import CheckpointHooks
+from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
+from lightning_blockwise.device_memory import check_cap
+from lightning_blockwise.module_placement import ModulePlacement
 from lightning_blockwise.options import (
     budget_bytes,
     check_bool,
@@ -34,10 +35,9 @@ from lightning_blockwise.options import (
     refuse_cpu_eval_mode_4bit,
 )
 from lightning_blockwise.planning import BlockPlan, ResidencyPlan
-from lightning_blockwise.replay.rng import GlobalRngState
-from lightning_blockwise.residency import embedding, placement
+from lightning_blockwise.residency import placement
 from lightning_blockwise.residency.activations import ActivationOffload
-from lightning_blockwise.residency.placement import HostCopy, move_rest_to_device
+from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
 from lightning_blockwise.step_budget import DEFAULT_TOKENS, StepBudget, StepPlan, declared_tokens, reference_headroom
 from lightning_blockwise.step_planner import StepPlanner, budget_errors
@@ -47,43 +47,37 @@ from lightning_blockwise.streamed_stack import StreamedStack
 class BlockwiseStrategy(SingleDeviceStrategy):
     """Train PEFT adapters on a frozen Hugging Face decoder stack that is rematerialized layer by layer.
 
-    After the usual single-device setup the strategy finds the decoder layers of the
-    Hugging Face model inside the LightningModule and installs on each (in place, the
-    class untouched) a forward that runs without building a graph, keeping only the
-    layer input, its RNG state and its call arguments; the backward recomputes the layer
-    from them and differentiates it. Training is bit-identical to ``strategy="auto"``.
-    Weights are grouped into blocks of ``block_size`` layers, the unit in which the
-    residency moves them.
+    After the usual single-device setup the strategy finds the decoder layers of the Hugging Face model inside
+    the LightningModule and installs on each (in place, the class untouched) a forward that runs without building
+    a graph, keeping only the layer input, its RNG state and its call arguments; the backward recomputes the layer
+    from them and differentiates it. Training is bit-identical to ``strategy="auto"``. Weights are grouped into
+    blocks of ``block_size`` layers, the unit in which the residency moves them.
 
     Args:
         block_size: Decoder layers per block.
         prefetch_depth: Blocks fetched ahead of the one in use when weights stream.
-        vram_budget: Cap on the device memory the run takes, in bytes or as a string like ``"16GiB"``:
-            on CUDA the caching allocator's per-process cap for the run, with expandable segments on
-            (NOTE [ A budget is a cap on the card ] in planning/memory.py). Blocks that fit under it
-            with the step's predicted peak and 10% headroom stay on the device for the whole run
-            (less traffic, faster steps); without it every block streams.
-        budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default:
-            the data module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either
-            way a longer batch is planned for before its step runs (NOTE [ A budget that sees the
-            batches ] in step_budget.py).
+        vram_budget: Cap on the device memory the run takes, in bytes or as a string like ``"16GiB"``: on CUDA the
+            caching allocator's per-process cap for the run, with expandable segments on (NOTE [ A budget is a cap
+            on the card ] in planning/memory.py). Blocks that fit under it with the step's predicted peak and 10%
+            headroom stay on the device for the whole run (less traffic, faster steps); without it every block streams.
+        budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default: the data
+            module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either way a longer batch is
+            planned for before its step runs (NOTE [ A budget that sees the batches ] in step_budget.py).
         offload_activations: Keep each layer's saved input in pinned host memory between forward and
             backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None`` turns it on
             when the step would not fit without it (the budget, else the device), ``True``/``False`` force it.
-        keep_activations: With a ``vram_budget``, blocks whose slabs and layers' autograd graphs fit it stay
-            on the device and run as in resident training, not recomputed in the backward (faster); the rest
-            of the budget keeps blocks resident only. ``False`` spends the whole budget on resident blocks,
-            which is better where the step waits on the host link (NOTE [ Kept activations ] in
-            planning/memory.py).
+        keep_activations: With a ``vram_budget``, blocks whose slabs and layers' autograd graphs fit it stay on the
+            device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
+            keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
+            the step waits on the host link (NOTE [ Kept activations ] in planning/memory.py).
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
-        save_frozen_base: Write the frozen base into checkpoints too (a self-contained file).
-            By default a checkpoint holds what training changes and a fingerprint of the base
-            (NOTE [ Lean checkpoints ] in checkpointing.py).
+        save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
+            holds what training changes and a fingerprint of the base (NOTE [ Lean checkpoints ] in checkpointing.py).
         accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         device: The device to train on. When the strategy is chosen by name
-            (``Trainer(strategy="blockwise", accelerator="gpu")``) the Trainer sets it from
-            its accelerator and ``devices``.
+            (``Trainer(strategy="blockwise", accelerator="gpu")``) the Trainer sets it from its accelerator and
+            ``devices``.
         checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
@@ -148,11 +142,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._stack: DecoderStack | None = None
         self._layers: StreamedStack | None = None
         self._host_copy: HostCopy | None = None
-        self._on_host: list[torch.nn.Module] = []
-        self._repack_flags: dict[torch.nn.Module, bool] = {}
-        self._frozen_base: FrozenBase | None = None
-        self._rng_to_restore: dict[str, Any] | None = None
-        self._memory_cap: DeviceMemoryCap | None = None
+        self._placement = ModulePlacement()
+        self._checkpoints = CheckpointHooks("BlockwiseStrategy")
 
     # Lightning hands a strategy chosen by name its devices through `parallel_devices`
     # (see `_AcceleratorConnector._lazy_init_strategy`). A `SingleDeviceStrategy` built from a
@@ -188,17 +179,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
-        assert self.streamer is not None and self._host_copy is not None and self._layers is not None
-        assert self._planner is not None
+        assert self._layers is not None and self._planner is not None
         self._layers.install()
-        rank_zero_info(
-            f"BlockwiseStrategy: {len(self.layers)} {stack.model_type} decoder layers in {self.plan.num_blocks} blocks"
-            f" of up to {self.block_size}, {len(self.streamer.streamed)} streamed through"
-            f" {len(self.streamer.slots)} slots on {self.root_device}; host arena"
-            f" {self._host_copy.arena.nbytes / 1e9:.3f} GB ({self._host_copy.arena.bytes_needed / 1e9:.3f} GB of"
-            f" tensors){', pinned' if self._host_copy.arena.pinned else ''}; {len(self.streamer.resident)} blocks kept"
-            f" resident; {self._planner.describe()}."
-        )
+        rank_zero_info(f"BlockwiseStrategy: {self._layers.describe(stack.model_type)}; {self._planner.describe()}.")
 
     @property
     def streamer(self) -> BlockStreamer | None:
@@ -226,22 +209,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         assert self._stack is not None and self.plan is not None
         device = self.root_device
         self._host_copy = placement.host_copy(self._stack, self.plan, pin=device.type == "cuda")
-        embedding_module = self._stack.model.get_input_embeddings()
-        on_host = []
-        if embedding_module is not None and embedding.can_stay_on_host(embedding_module, self.lightning_module):
-            embedding.install(embedding_module, device)
-            on_host.append(embedding_module)
-        move_rest_to_device(self.lightning_module, self._stack, device, skip=on_host)
-        self._on_host = on_host
-        if device.type == "cpu":
-            self._repack_flags = disable_cpu_repack(self._stack.layers)
-        else:
-            # Once the base has left the device, so the cap is not below what it holds (NOTE [ A budget is a
-            # cap on the card ] in planning/memory.py).
-            with budget_errors(self._budget_owner):
-                self._memory_cap, changes = apply_cap(device, self.vram_budget)
-            for change in changes:
-                rank_zero_info(f"BlockwiseStrategy: {change}.")
+        owner = self._budget_owner
+        for change in self._placement.place(self.lightning_module, self._stack, device, self.vram_budget, owner):
+            rank_zero_info(f"BlockwiseStrategy: {change}.")
         budget = StepBudget.for_module(
             self.lightning_module,
             self._stack.model,
@@ -257,7 +227,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
         plan = self._planner.first_plan(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
-        self._frozen_base = FrozenBase(
+        self._checkpoints.base = FrozenBase(
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
         )
         self._layers = StreamedStack(
@@ -298,10 +268,8 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     def resident_prefix_bytes(self, num_blocks: int) -> int:
         """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
 
-        The blocks' slabs (those the residency plan does not keep on the device already) plus,
-        per layer, one layer's autograd graph at the planned tokens: a resident layer
-        keeps its graph from the forward to the backward, a rematerialized one only its input.
-        An estimate in the planner's terms (:class:`~lightning_blockwise.planning.StepShape`).
+        The slabs of those blocks not resident already plus one layer's autograd graph per layer at the planned
+        tokens (:meth:`~lightning_blockwise.streamed_stack.StreamedStack.prefix_bytes`), in the planner's terms.
 
         Args:
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
@@ -312,10 +280,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     def reference_headroom(self) -> int | None:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
 
-        The least of: what ``vram_budget`` leaves above the planned peak; on CUDA, the free and
-        cached device memory less what the training step still needs to grow to its planned peak;
-        and, under a per-process cap (``torch.cuda.set_per_process_memory_fraction``), what that cap
-        leaves. Compare it with :meth:`resident_prefix_bytes` to see how many blocks fit.
+        What ``vram_budget``, the free device memory and a per-process cap leave
+        (:func:`~lightning_blockwise.step_budget.reference_headroom`). Compare it with
+        :meth:`resident_prefix_bytes` to see how many blocks fit.
         """
         assert self.residency_plan is not None
         return reference_headroom(self.root_device, self.vram_budget, self.residency_plan.predicted_peak)
@@ -328,9 +295,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     def set_observer(self, observer: StreamObserver | None) -> None:
         """Hand ``observer`` to the current streamer and to every streamer the strategy builds later.
 
-        The strategy replaces its streamer at times (:meth:`resident_prefix`, loading a checkpoint
-        with the frozen base); each new one reports to the observer set here, so it is set once.
-        See NOTE [ Stream observer ] in residency/streamer.py.
+        The strategy replaces its streamer at times (:meth:`resident_prefix`, loading a checkpoint with the frozen
+        base); each new one reports to the observer set here, so it is set once (NOTE [ Stream observer ] in
+        residency/streamer.py).
 
         Args:
             observer: The observer, or ``None`` for the no-op
@@ -349,13 +316,11 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     def resident_prefix(self, num_blocks: int) -> Iterator[None]:
         """Run the layers of the first ``num_blocks`` blocks the resident way while the context is open.
 
-        Inside, those layers have their own forward back (plain autograd, no recompute) and read
-        their frozen tensors from device copies of their host slabs; the other layers stay
-        rematerialized and streamed. ``num_blocks=plan.num_blocks`` is resident training of the
-        whole stack. On exit every layer is rematerialized again and a fresh streamer of the
-        run's residency plan takes over (both streamers report to :attr:`observer`, as the
-        run's did); the host arena, the only authoritative copy of the
-        frozen weights, is never written, so what the run computes afterwards is unchanged.
+        Inside, those layers have their own forward back (plain autograd, no recompute) and read their frozen
+        tensors from device copies of their host slabs; the other layers stay rematerialized and streamed.
+        ``num_blocks=plan.num_blocks`` is resident training of the whole stack. On exit a fresh streamer of the
+        run's residency plan takes over, reporting to :attr:`observer` (NOTE [ Resident prefix ] in
+        streamed_stack.py); the host arena is never written, so what the run computes afterwards is unchanged.
 
         Args:
             num_blocks: Leading blocks to run resident, from ``0`` to ``plan.num_blocks``.
@@ -384,25 +349,18 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     @property
     def base_fingerprint(self) -> str | None:
         """The fingerprint of the frozen base that checkpoints record (NOTE [ Lean checkpoints ]); set at setup."""
-        return None if self._frozen_base is None else self._frozen_base.fingerprint
+        return self._checkpoints.fingerprint
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict without the frozen base, or with it read from the host copy.
-
-        See NOTE [ Lean checkpoints ] in checkpointing.py.
-        """
-        state = super().lightning_module_state_dict()
-        if self._frozen_base is None:
-            return state
-        return self._frozen_base.checkpoint_state(state, include_base=self.save_frozen_base)
+        """The state dict without the frozen base, or with it read from the host copy (NOTE [ Lean checkpoints ])."""
+        return self._checkpoints.state_dict(super().lightning_module_state_dict(), self.save_frozen_base)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        if self._frozen_base is not None:
-            checkpoint[CHECKPOINT_KEY] = self._frozen_base.checkpoint_meta(self.save_frozen_base)
+        self._checkpoints.record(checkpoint, self.save_frozen_base)
         if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -414,32 +372,18 @@ class BlockwiseStrategy(SingleDeviceStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a lean or full checkpoint into the set-up module; refuse one of another base.
 
-        Missing frozen-base keys are expected (NOTE [ Lean checkpoints ]); missing trainable keys
-        are an error whatever ``strict`` says, since training would silently restart them.
+        See :meth:`~lightning_blockwise.checkpoint_hooks.CheckpointHooks.load`.
 
         Raises:
             MisconfigurationException: If the checkpoint was written over another base, lacks trainable
                 parameters, or (with ``strict``) has keys the module does not or lacks others.
         """
-        base = self._frozen_base
-        if base is None:
+        if self._checkpoints.base is None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        try:
-            state, has_base = base.take_checkpoint(checkpoint)
-        except ValueError as error:
-            raise MisconfigurationException(f"BlockwiseStrategy: {error}") from None
-        if has_base and self._layers is not None:
-            # Blocks kept resident on the device hold copies of the old bytes: copy them again.
-            self._layers.restream()
-        result = self.lightning_module.load_state_dict(state, strict=False)
-        if has_base:
-            base.refresh()
-        mismatch = base.mismatch(result.missing_keys, result.unexpected_keys)
-        if strict and mismatch:
-            raise MisconfigurationException(f"BlockwiseStrategy: {mismatch}")
+        self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._rng_to_restore = (checkpoint.get(CHECKPOINT_KEY) or {}).get("rng")
+            self._checkpoints.resume_rng(checkpoint)
 
     @override
     def on_train_start(self) -> None:
@@ -447,25 +391,15 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cpu":
             assert self._stack is not None
             refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(self._stack))
-        if self._rng_to_restore is not None:
-            # NOTE [ Exact resume ] in replay/rng.py. Here, after the loops, the data and every `on_train_start`
-            # hook are set up and before the first batch is drawn, as where the checkpoint was written.
-            GlobalRngState.from_state_dict(self._rng_to_restore).restore()
-            self._rng_to_restore = None
+        # NOTE [ Exact resume ] in replay/rng.py: after every `on_train_start` hook, before the first batch.
+        self._checkpoints.restore_rng()
 
     @override
     def teardown(self) -> None:
         if self._layers is not None:
             self._layers.close()
             self._layers = None
-        for module in self._on_host:
-            embedding.uninstall(module)
-        self._on_host = []
-        restore_cpu_repack(self._repack_flags)
-        self._repack_flags = {}
-        if self._memory_cap is not None:
-            self._memory_cap.restore()
-            self._memory_cap = None
+        self._placement.restore()
         self._stack = None
         super().teardown()
 

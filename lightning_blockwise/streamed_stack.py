@@ -150,6 +150,21 @@ class StreamedStack:
         finally:
             self.restream()
 
+    def describe(self, model_type: str) -> str:
+        """One line for the log: the layers and their blocks, the streamer's slots, the host arena, resident blocks.
+
+        Args:
+            model_type: The Hugging Face ``config.model_type`` the layers are of.
+        """
+        assert self.streamer is not None
+        arena = self.host_copy.arena
+        return (
+            f"{len(self.layers)} {model_type} decoder layers in {self.plan.num_blocks} blocks of up to"
+            f" {self.plan.block_size}, {len(self.streamer.streamed)} streamed through {len(self.streamer.slots)} slots"
+            f" on {self.device}; host arena {arena.nbytes / 1e9:.3f} GB ({arena.bytes_needed / 1e9:.3f} GB of"
+            f" tensors){', pinned' if arena.pinned else ''}; {len(self.streamer.resident)} blocks kept resident"
+        )
+
     def close(self) -> None:
         """Give every layer its own forward back and free the streamer's device memory."""
         remat.uninstall(self.layers)

@@ -26,7 +26,8 @@ LAYERS: list[set[str]] = [
     {"replay"},
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
     {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
-    {"step_planner"},
+    # What the strategy delegates to: its step plan over the run, its checkpoints, where the module goes.
+    {"step_planner", "checkpoint_hooks", "module_placement"},
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},

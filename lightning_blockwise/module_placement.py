@@ -1,0 +1,75 @@
+"""Where a blockwise run puts the module outside the host arena, and what teardown puts back."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_blockwise.architectures import DecoderStack
+from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
+from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap
+from lightning_blockwise.residency import embedding
+from lightning_blockwise.residency.placement import move_rest_to_device
+from lightning_blockwise.step_planner import budget_errors
+
+
+class ModulePlacement:
+    """The module's changes for a run, once its decoder layers' frozen tensors are bound to the host arena.
+
+    :meth:`place` keeps the input embedding on the host where it can
+    (:func:`~lightning_blockwise.residency.embedding.can_stay_on_host`), moves the rest to the device,
+    and then, on the CPU, keeps bitsandbytes from repacking the decoder layers' 4-bit weights (NOTE
+    [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py) or, elsewhere, caps the
+    allocator at the budget (NOTE [ A budget is a cap on the card ] in planning/memory.py).
+    :meth:`restore` undoes all but the move.
+    """
+
+    def __init__(self) -> None:
+        self._on_host: list[nn.Module] = []
+        self._repack_flags: dict[nn.Module, bool] = {}
+        self._memory_cap: DeviceMemoryCap | None = None
+
+    def place(
+        self, module: nn.Module, stack: DecoderStack, device: torch.device, budget: int | None, owner: str
+    ) -> list[str]:
+        """Place ``module`` on ``device`` for the run; return what the allocator cap changed, for the log.
+
+        Args:
+            module: The LightningModule.
+            stack: Its decoder stack, whose frozen tensors are bound to the host arena already.
+            device: The compute device.
+            budget: The ``vram_budget`` in bytes, or ``None``.
+            owner: How errors name the option they are about, e.g. ```BlockwiseStrategy(vram_budget=...)```.
+
+        Raises:
+            MisconfigurationException: If the allocator cannot be capped at ``budget``.
+        """
+        embedding_module = stack.model.get_input_embeddings()
+        on_host = []
+        if embedding_module is not None and embedding.can_stay_on_host(embedding_module, module):
+            embedding.install(embedding_module, device)
+            on_host.append(embedding_module)
+        move_rest_to_device(module, stack, device, skip=on_host)
+        self._on_host = on_host
+        if device.type == "cpu":
+            self._repack_flags = disable_cpu_repack(stack.layers)
+            return []
+        # Once the base has left the device, so the cap is not below what it holds (NOTE [ A budget is a
+        # cap on the card ] in planning/memory.py).
+        with budget_errors(owner):
+            self._memory_cap, changes = apply_cap(device, budget)
+        return changes
+
+    def restore(self) -> None:
+        """Put the embedding's own forward, bitsandbytes' repacking and the allocator's cap back as they were."""
+        for module in self._on_host:
+            embedding.uninstall(module)
+        self._on_host = []
+        restore_cpu_repack(self._repack_flags)
+        self._repack_flags = {}
+        if self._memory_cap is not None:
+            self._memory_cap.restore()
+            self._memory_cap = None
+
+
+__all__ = ["ModulePlacement"]
