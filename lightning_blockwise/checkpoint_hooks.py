@@ -12,6 +12,18 @@ from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FrozenBase
 from lightning_blockwise.replay.rng import GlobalRngState
 from lightning_blockwise.streamed_stack import StreamedStack
 
+# NOTE [ Loader state restored late ]
+# Lightning puts a resumed run's loader state back when the fit loop builds its loader
+# (`_FitLoop.setup_data`). A module whose `configure_optimizers` reads
+# `trainer.estimated_stepping_batches` with `max_epochs` set (every warmup-cosine schedule of the
+# recipes) makes Lightning build that loader there, in the strategy's setup, before the checkpoint
+# is read; the state read afterwards waits for a loader that is never built again, and the run
+# resumes from the start of its epoch (the demo CLI, resumed at step 28 with `max_epochs: 3`, trained
+# other batches from step 29 on). So at train start, after the loops are restored and before the
+# first batch, the strategy hands the waiting state to the loader and has the loop make its iterator
+# again, as `setup_data` would have. It reads the fit loop's private attributes (Lightning 2.6);
+# `tests/cli/test_resume.py` fails if they change.
+
 
 class CheckpointHooks:
     """A run's checkpoints as the strategy writes and reads them, through the module's :class:`FrozenBase`.
@@ -84,6 +96,17 @@ class CheckpointHooks:
         mismatch = self.base.mismatch(result.missing_keys, result.unexpected_keys)
         if strict and mismatch:
             raise MisconfigurationException(f"{self.owner}: {mismatch}")
+
+    @staticmethod
+    def resume_loader(fit_loop: Any) -> None:
+        """Give a resumed run's loader the state read after it was built (NOTE [ Loader state restored late ])."""
+        if not fit_loop._combined_loader_states_to_load or fit_loop._combined_loader is None:
+            return
+        fit_loop._load_combined_loader_states()
+        if fit_loop._data_fetcher is not None:
+            # A stateful loader applies a loaded state when it is iterated next.
+            fit_loop._data_fetcher.setup(fit_loop._combined_loader)
+            iter(fit_loop._data_fetcher)
 
     def resume_rng(self, checkpoint: Mapping[str, Any]) -> None:
         """Have :meth:`restore_rng` put back the RNG states ``checkpoint`` recorded (one resumed by ``fit``)."""

@@ -391,7 +391,9 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cpu":
             assert self._stack is not None
             refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(self._stack))
-        # NOTE [ Exact resume ] in replay/rng.py: after every `on_train_start` hook, before the first batch.
+        # NOTE [ Loader state restored late ] in checkpoint_hooks.py, then NOTE [ Exact resume ] in replay/rng.py:
+        # after every `on_train_start` hook, before the first batch.
+        self._checkpoints.resume_loader(self.lightning_module.trainer.fit_loop)
         self._checkpoints.restore_rng()
 
     @override

@@ -14,6 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY, BaseKeys
 from lightning_blockwise.replay.rng import GlobalRngState
 from tests.helpers.models import (
@@ -230,6 +231,59 @@ def test_resume_mid_epoch_is_exact(tmp_path: Path, name: str, monkeypatch: pytes
         assert runs_differ(_tail(whole, TOTAL - RESUME_AT), resumed)
         return
     assert_equal_runs(_tail(whole, TOTAL - RESUME_AT), resumed)
+
+
+class _ScheduledModule(CausalLMModule):
+    """Reads `estimated_stepping_batches` in `configure_optimizers`, as every warmup-cosine schedule does."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        total = self.trainer.estimated_stepping_batches
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (total + 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+class _StopAt(pl.Callback):
+    """Stops the run after ``step`` optimizer steps, as if it were killed there (its schedule unchanged)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def _scheduled_run(root: Path, ckpt_path: Path | None = None, stop_at: int | None = None) -> RunResult:
+    pl.seed_everything(0, verbose=False)
+    module = _ScheduledModule(lambda: build_model("llama", lora_dropout=0.1), in_configure_model=True)
+    # `max_epochs` set: Lightning then builds the train loader inside `configure_optimizers`.
+    fitted = _checkpointing_trainer(BlockwiseStrategy(), root, max_steps=-1, max_epochs=EPOCHS)
+    if stop_at is not None:
+        fitted.callbacks.append(_StopAt(stop_at))
+    fitted.fit(module, _shuffled(), ckpt_path=ckpt_path)
+    return collect(module, trainer_optimizer(module))
+
+
+EPOCHS = 3
+
+
+def test_resume_with_a_schedule_over_the_estimated_steps_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Loader state restored late ]: the loader resumes mid-epoch though Lightning built it before the restore.
+
+    Control: without handing the loader its state at train start, the resumed run trains other batches.
+    """
+    whole = _scheduled_run(tmp_path / "whole")
+    assert len(whole.losses) == EPOCHS * BATCHES
+    _scheduled_run(tmp_path / "first", stop_at=RESUME_AT)
+    checkpoint = tmp_path / "first" / f"step={RESUME_AT}.ckpt"
+    resumed = _scheduled_run(tmp_path / "second", ckpt_path=checkpoint)
+    steps = EPOCHS * BATCHES - RESUME_AT
+    assert_equal_runs(_tail(whole, steps), resumed)
+    monkeypatch.setattr(CheckpointHooks, "resume_loader", staticmethod(lambda fit_loop: None))
+    assert runs_differ(_tail(whole, steps), _scheduled_run(tmp_path / "third", ckpt_path=checkpoint))
 
 
 def test_control_resume_without_rng_restore_differs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
