@@ -339,6 +339,16 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         with self._layers.resident_prefix(num_blocks):
             yield
 
+    @contextmanager
+    def all_rematerialized(self) -> Iterator[None]:
+        """Rematerialize every layer while the context is open, those of blocks that keep their activations too.
+
+        What ``ParityCheck``'s blockwise arm runs (NOTE [ Kept activations ] in planning/memory.py).
+        """
+        assert self._layers is not None
+        with self._layers.all_rematerialized():
+            yield
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:

@@ -123,8 +123,25 @@ class StreamedStack:
         resident layer keeps its graph from the forward to the backward.
         """
         blocks = [b for b in range(num_blocks) if b not in self.resident]
-        layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks))
+        # Kept blocks' graphs are in the run's planned peak already (NOTE [ Kept activations ]).
+        layers = sum(len(self.plan.layers_of(b)) for b in range(num_blocks) if b not in self.kept)
         return sum(self.host_copy.layouts[b].nbytes for b in blocks) + layers * layer_graph
+
+    @contextmanager
+    def all_rematerialized(self) -> Iterator[None]:
+        """Rematerialize every layer while the context is open, the kept blocks' too (they stay resident).
+
+        ParityCheck's blockwise arm (NOTE [ Prefix parity ] in verification/check.py): a kept layer runs
+        as in resident training, so comparing it with the reference would check nothing.
+        """
+        kept = self.kept
+        self.kept = ()
+        try:
+            self.install()
+            yield
+        finally:
+            self.kept = kept
+            self.install()
 
     @contextmanager
     def resident_prefix(self, num_blocks: int) -> Iterator[None]:

@@ -175,3 +175,46 @@ def test_a_longer_batch_keeps_fewer_blocks_and_stays_exact(checkpoint: Path) -> 
     # The plan was made again in the first long micro-batch's training step (the fifth), before its forward:
     # fewer kept blocks from then on (the callback sees each micro-batch's plan before its step).
     assert len(kept.kept[5]) < len(kept.kept[0]) and kept.kept[:5] == [kept.kept[0]] * 5
+
+
+def test_parity_check_rematerializes_the_kept_blocks(
+    checkpoint: Path, mixed_budget: tuple[int, StepPlan], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ParityCheck's blockwise arm recomputes every layer, kept ones too; a broken replay is caught with kept blocks.
+
+    Control: without `all_rematerialized`, the kept layers would run as the reference does (nothing checked).
+    """
+    import contextlib
+
+    from lightning_blockwise import ParityCheck
+    from lightning_blockwise.replay import remat
+    from lightning_blockwise.replay.rng import RngSnapshot
+    from lightning_blockwise.streamed_stack import StreamedStack
+    from lightning_blockwise.verification import check as verification_check
+    from lightning_blockwise.verification.result import ParityError
+
+    budget, _ = mixed_budget
+    arms: list[list[bool]] = []
+    original = verification_check._step
+
+    def spy(strategy: BlockwiseStrategy, *args: Any) -> Any:
+        arms.append([remat.installed(layer) is not None for layer in strategy.layers])
+        return original(strategy, *args)
+
+    monkeypatch.setattr(verification_check, "_step", spy)
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
+    fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[ParityCheck()], max_steps=1)
+    assert strategy.step_plan is not None and strategy.step_plan.residency.kept == (0, 1)
+    assert arms[0] == [True] * NUM_LAYERS  # the blockwise arm: every layer rematerialized
+    # The recompute draws other dropout masks than the forward: caught, kept blocks and all.
+    with monkeypatch.context() as broken:
+        broken.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
+        with pytest.raises(ParityError):
+            fit(CausalLMModule(_nf4(checkpoint)), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS),
+                callbacks=[ParityCheck()], max_steps=1)  # fmt: skip
+    # Control: the blockwise arm run as the stack stands leaves the kept layers unrecomputed.
+    arms.clear()
+    monkeypatch.setattr(StreamedStack, "all_rematerialized", lambda self: contextlib.nullcontext())
+    fit(CausalLMModule(_nf4(checkpoint)), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS),
+        callbacks=[ParityCheck()], max_steps=1)  # fmt: skip
+    assert arms[0][:2] == [False, False]
