@@ -86,7 +86,7 @@ def check_cap(device: torch.device, budget: int | None) -> None:
         )
 
 
-def apply_cap(device: torch.device, budget: int | None) -> tuple[DeviceMemoryCap, list[str]]:
+def apply_cap(device: torch.device, budget: int | None, held_outside: int = 0) -> tuple[DeviceMemoryCap, list[str]]:
     """Turn on expandable segments and cap the allocator at ``budget`` on a CUDA ``device``.
 
     NOTE [ Expandable segments ], NOTE [ A budget is a cap on the card ] in planning/memory.py.
@@ -94,6 +94,8 @@ def apply_cap(device: torch.device, budget: int | None) -> tuple[DeviceMemoryCap
     Args:
         device: A CUDA device.
         budget: The ``vram_budget`` in bytes, or ``None`` (segments only, no cap).
+        held_outside: Device bytes the process holds outside the run (the cap is the process's), allowed on
+            top of the budget as far as the card or an existing cap allows.
 
     Returns:
         What to restore at teardown, and one line per change for the log.
@@ -113,8 +115,11 @@ def apply_cap(device: torch.device, budget: int | None) -> tuple[DeviceMemoryCap
     if budget is None:
         return DeviceMemoryCap(device, None, turned_on), changes
     found = torch.cuda.get_per_process_memory_fraction(device)
-    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(device).total_memory, device)
-    changes.append(f"the caching allocator capped at {format_gib(budget)}")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(budget + held_outside, int(found * total))
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    outside = f" ({format_gib(budget)} and {format_gib(cap - budget)} the process held before)" if cap > budget else ""
+    changes.append(f"the caching allocator capped at {format_gib(cap)}{outside}")
     return DeviceMemoryCap(device, found, turned_on), changes
 
 

@@ -117,3 +117,16 @@ def test_a_budget_that_cannot_be_kept_is_refused_before_anything_changes(
     # Control arm: the same card takes a budget within it.
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     check_cap(DEVICE, int(fraction * CARD))
+
+
+def test_what_the_process_holds_outside_the_run_comes_on_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    _, changes = apply_cap(DEVICE, 20 * 2**30, held_outside=2 * 2**30)
+    assert cuda.fraction == 22 / 80 and "22.00 GiB (20.00 GiB and 2.00 GiB the process held before)" in changes[-1]
+    # Never past the card (or a cap the user set).
+    fresh = _FakeCuda()
+    fresh.install(monkeypatch)
+    apply_cap(DEVICE, 79 * 2**30, held_outside=4 * 2**30)
+    assert fresh.fraction == 1.0
