@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ def export(
     with open_adapter(adapter) as trained:
         if mode != "none":
             trained.check_mergeable()
+        _warn_other_base(trained.trained_on, Path(base))
         # Planned for the adapter alone too: it checks the adapter against the base it names.
         with plan_merge(trained, Path(base), mode, merge_into_original, torch_device, compute_dtype) as plan:
             if mode == "none":
@@ -193,6 +195,19 @@ def _merged(plan: MergePlan, key: str) -> dict[str, Tensor]:
         if plan.mode == "nf4":
             return saved_entries(key, requantized(module, value, plan.device))
         return {key: value.to(DENSE_DTYPES[plan.mode]).cpu()}
+
+
+def _warn_other_base(trained_on: str | None, base: Path) -> None:
+    """Warn when the adapter names another base than ``base``: shapes and names match, but the weights may not."""
+    if trained_on is None or Path(trained_on).expanduser().resolve() == base.expanduser().resolve():
+        return
+    warnings.warn(
+        f"{_OWNER}: the adapter was trained on `{trained_on}`, and BASE is `{base}`. Their shapes and names match;"
+        " if BASE is another checkpoint (an instruct and a base model, say), the export is not the model that was"
+        " trained. The model card records both paths.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _card_facts(plan: MergePlan) -> dict[str, Any]:

@@ -485,3 +485,16 @@ def test_on_the_gpu_nf4_equals_peft_and_vram_does_not_grow_with_the_layers(tmp_p
     export(adapters[4], tmp_path / "base4", tmp_path / "dense", merge="bf16", device="cuda", progress=False)
     dense = PeftModel.from_pretrained(reference().dequantize(), adapters[4]).merge_and_unload().state_dict()
     assert _mismatches(_written(tmp_path / "dense"), {k: v.cpu() for k, v in dense.items()}) == []
+
+
+def test_another_base_path_is_warned_about(base: Path, adapter: Path, tmp_path: Path) -> None:
+    """The adapter names the checkpoint it was trained on; a BASE elsewhere gets a warning (control: the same one)."""
+    import shutil
+    import warnings
+
+    copy = Path(shutil.copytree(base, tmp_path / "copy"))
+    with pytest.warns(UserWarning, match=r"the adapter was trained on .*, and BASE is .*copy"):
+        export(adapter, copy, tmp_path / "out", progress=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*the adapter was trained on.*")
+        export(adapter, base, tmp_path / "same", progress=False)
