@@ -61,6 +61,8 @@ class StreamedStack:
         self.prefetch_depth = prefetch_depth
         self.resident = tuple(sorted(resident))
         self.kept = _kept(kept, self.resident)
+        #: Kept layers whose Hugging Face gradient checkpointing was on, switched off while kept; put back at close.
+        self._checkpointing_off: list[nn.Module] = []
         self._observer = StreamObserver()
         self.offload: ActivationOffload | None = None
         self.streamer: BlockStreamer | None = self._new_streamer(self.resident)
@@ -81,7 +83,14 @@ class StreamedStack:
         assert self.streamer is not None
         remat.install(self.layers, self._layer_params(), self.streamer, self.offload)
         # NOTE [ Kept activations ] in planning/memory.py: their blocks are resident, so plain autograd is safe.
-        remat.uninstall([self.layers[i] for block in self.kept for i in self.plan.layers_of(block)])
+        kept = [self.layers[i] for block in self.kept for i in self.plan.layers_of(block)]
+        remat.uninstall(kept)
+        for layer in kept:
+            # Kept means not recomputed: not by Hugging Face's checkpointing either (on after
+            # `gradient_checkpointing_enable()`, as `prepare_model_for_kbit_training` does), exact either way.
+            if vars(layer).get("gradient_checkpointing"):
+                layer.gradient_checkpointing = False
+                self._checkpointing_off.append(layer)
 
     def offload_inputs(self, slab_bytes: int | None) -> None:
         """Keep layer inputs in host slabs of ``slab_bytes`` between forward and backward; ``None``: on the device.
@@ -183,8 +192,11 @@ class StreamedStack:
         )
 
     def close(self) -> None:
-        """Give every layer its own forward back and free the streamer's device memory."""
+        """Give every layer its own forward (and checkpointing flag) back and free the streamer's device memory."""
         remat.uninstall(self.layers)
+        for layer in self._checkpointing_off:
+            layer.gradient_checkpointing = True
+        self._checkpointing_off = []
         self._close_streamer()
         self.offload_inputs(None)
 

@@ -218,3 +218,31 @@ def test_parity_check_rematerializes_the_kept_blocks(
     fit(CausalLMModule(_nf4(checkpoint)), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS),
         callbacks=[ParityCheck()], max_steps=1)  # fmt: skip
     assert arms[0][:2] == [False, False]
+
+
+def test_kept_layers_are_not_recomputed_by_hugging_face_checkpointing_either(
+    checkpoint: Path, mixed_budget: tuple[int, StepPlan]
+) -> None:
+    """Under `gradient_checkpointing_enable()` (`prepare_model_for_kbit_training` calls it) kept layers run once."""
+
+    def build() -> Any:
+        model = build_model("llama", checkpoint=checkpoint, quantized=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        return model
+
+    budget, _ = mixed_budget
+    resident_counts = _ForwardCounts()
+    resident = fit(CausalLMModule(build), "auto", callbacks=[resident_counts], max_steps=2)
+    micro_batches = len(resident.losses)
+    # Under Hugging Face's checkpointing every layer runs twice per micro-batch (the arm that shows the count moves).
+    assert resident_counts.counts == [2 * micro_batches] * NUM_LAYERS
+    counts = _ForwardCounts()
+    module = CausalLMModule(build)
+    blockwise = fit(
+        module, BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), callbacks=[counts], max_steps=2
+    )
+    assert_equal_runs(resident, blockwise)
+    assert counts.counts == [micro_batches] * 2 + [2 * micro_batches] * (NUM_LAYERS - 2)
+    # The user's setting is back after the run.
+    assert all(vars(layer).get("gradient_checkpointing") for layer in module.model.get_decoder().layers)
