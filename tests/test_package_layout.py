@@ -58,7 +58,11 @@ OLD_PATHS = {
 
 def _unit(module: str) -> str:
     """The layer unit of a dotted module name inside the package (its folder, or its file)."""
-    if module in ("lightning_blockwise.planning.sizing", "lightning_blockwise.planning.recommend"):
+    if module in (
+        "lightning_blockwise.planning.sizing",
+        "lightning_blockwise.planning.recommend",
+        "lightning_blockwise.planning.footprint",
+    ):
         return "sizing"
     return module.split(".")[1] if "." in module else "__init__"
 

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,174 +23,17 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import Nf4Format, code_table_bytes, nf4_tensor_bytes
-from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
+from lightning_blockwise.planning.footprint import ModelSizes, slab_bytes
 from lightning_blockwise.planning.recommend import (
     CUDA_CONTEXT_RESERVE,
     RECOMMENDED_MLP_TILE_TOKENS,
     Recommendation,
     recommend,
 )
-from lightning_blockwise.residency.arena import slab_offsets
-from lightning_blockwise.residency.layout import ALIGNMENT, frozen_tensors, tensor_offsets
-from lightning_blockwise.step_budget import StepBudget
+from lightning_blockwise.residency.layout import frozen_tensors
 
 #: Bytes per trainable adapter element: PEFT keeps adapters in fp32 over a bf16 or 4-bit base.
 _ADAPTER_BYTES = 4
-
-
-def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
-    """The size of a slab holding tensors of these sizes in this order, each offset aligned, as ``layout_block``.
-
-    Args:
-        tensor_bytes: Each tensor's own bytes, in slab order.
-        alignment: The alignment of every offset (:data:`~lightning_blockwise.residency.layout.ALIGNMENT`).
-    """
-    return tensor_offsets(tensor_bytes, alignment)[-1]
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """A model's bytes as a blockwise run places them, computed from its config.
-
-    Attributes:
-        model_type: ``config.model_type``.
-        layer_tensors: Per decoder layer, the bytes of each frozen tensor in slab order.
-        device_bytes: Frozen bytes on the compute device for the whole run: LM head, final norm,
-            rotary buffers, the embedding when it is tied (or not a plain frozen table), the
-            4-bit code tables, and anything else outside the decoder layers.
-        host_embedding_bytes: The input embedding table kept in host memory (0 when tied).
-        trainable_bytes: The adapters' bytes (fp32).
-        config: The model's config.
-        activation_bytes: Bytes per activation element (the LM head's dtype, as the strategy reads it).
-    """
-
-    model_type: str
-    layer_tensors: tuple[tuple[int, ...], ...]
-    device_bytes: int
-    host_embedding_bytes: int
-    trainable_bytes: int
-    config: PretrainedConfig
-    activation_bytes: int
-
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers."""
-        return len(self.layer_tensors)
-
-    def block_bytes(self, block_size: int) -> list[int]:
-        """Each block's slab size for ``block_size`` layers per block (the strategy's ``layout.nbytes``)."""
-        return [
-            slab_bytes(nbytes for layer in self.layer_tensors[start : start + block_size] for nbytes in layer)
-            for start in range(0, self.num_layers, block_size)
-        ]
-
-    def host_bytes(self, block_size: int) -> int:
-        """The pinned host arena for ``block_size``: every block's slab, each starting aligned (``arena.nbytes``)."""
-        return slab_offsets(self.block_bytes(block_size))[-1]
-
-    def shape(
-        self,
-        tokens: int,
-        offload_inputs: bool = False,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
-    ) -> StepShape:
-        """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
-
-        Args:
-            tokens: Tokens per micro-batch (batch size x sequence length).
-            offload_inputs: Layer inputs wait for the backward in host memory.
-            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
-            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
-        """
-        return StepShape.for_config(
-            self.config,
-            tokens,
-            self.num_layers,
-            self.activation_bytes,
-            offload_inputs=offload_inputs,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
-        )
-
-    def step_budget(
-        self,
-        block_size: int = 1,
-        prefetch_depth: int = 2,
-        budget: int | None = None,
-        offload: bool | None = None,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
-        device_limit: int | None = None,
-        keep_activations: bool = True,
-    ) -> StepBudget:
-        """The strategy's step budget for this model: the same planner with the same inputs as at setup.
-
-        The device bytes the strategy counts there are the frozen ones here plus the adapters.
-
-        Args:
-            block_size: Decoder layers per block.
-            prefetch_depth: Blocks copied ahead of the one in use.
-            budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
-            offload: ``offload_activations``: force layer-input offload on or off; ``None`` turns it on
-                when the step does not fit (the budget, else ``device_limit``) without it.
-            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
-            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
-            device_limit: Without a budget, the device bytes beyond which automatic offload turns on.
-            keep_activations: The strategy's ``keep_activations`` (NOTE [ Kept activations ] in memory.py).
-
-        Raises:
-            ValueError: If ``block_size`` is out of range.
-        """
-        blocks = BlockPlan(num_layers=self.num_layers, block_size=block_size)  # refuses a block size out of range
-        return StepBudget(
-            config=self.config,
-            num_layers=self.num_layers,
-            activation_bytes=self.activation_bytes,
-            block_bytes=self.block_bytes(block_size),
-            prefetch_depth=prefetch_depth,
-            fixed_bytes=self.device_bytes + self.trainable_bytes,
-            trainable_bytes=self.trainable_bytes,
-            budget=budget,
-            offload=offload,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
-            device_limit=device_limit,
-            block_layers=[len(blocks.layers_of(block)) for block in range(blocks.num_blocks)],
-            keep_activations=keep_activations,
-        )
-
-    def residency(
-        self,
-        tokens: int,
-        block_size: int = 1,
-        prefetch_depth: int = 2,
-        budget: int | None = None,
-        offload_inputs: bool = False,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
-        keep_activations: bool = True,
-    ) -> ResidencyPlan:
-        """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
-
-        Args:
-            tokens: Tokens per micro-batch (batch size x sequence length; the strategy's ``budget_tokens``).
-            block_size: Decoder layers per block.
-            prefetch_depth: Blocks copied ahead of the one in use.
-            budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
-            offload_inputs: Layer inputs wait for the backward in host memory (``offload_activations=True``).
-            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
-            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
-            keep_activations: The strategy's ``keep_activations``.
-
-        Raises:
-            ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
-        """
-        budgeted = self.step_budget(
-            block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
-            keep_activations=keep_activations,
-        )  # fmt: skip
-        return budgeted.plan(tokens).residency
 
 
 def model_sizes(
