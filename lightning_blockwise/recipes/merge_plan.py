@@ -25,8 +25,8 @@ from lightning_blockwise.compat.bitsandbytes import SAVED_STATE_JSON, Nf4Format,
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
 from lightning_blockwise.loading.meta_model import build_meta_model, check_keys
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
+from lightning_blockwise.recipes.merge_adapter import TrainedAdapter
 from lightning_blockwise.recipes.merge_shards import PlannedTensor
-from lightning_blockwise.recipes.merge_sources import TrainedAdapter
 
 #: The dense exports and their dtypes.
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
