@@ -10,6 +10,7 @@ from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_
 from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap
 from lightning_blockwise.residency import embedding
 from lightning_blockwise.residency.placement import move_rest_to_device
+from lightning_blockwise.step_budget import device_bytes
 from lightning_blockwise.step_planner import budget_errors
 
 
@@ -57,7 +58,7 @@ class ModulePlacement:
         # Once the base has left the device, so the cap is not below what it holds (NOTE [ A budget is a
         # cap on the card ] in planning/memory.py). The cap is the process's: what the process holds on the
         # device outside the module (another model, a reference run's results) comes on top of the budget.
-        held = torch.cuda.memory_allocated(device) - _device_bytes(module, device)
+        held = torch.cuda.memory_allocated(device) - device_bytes(module, device)
         with budget_errors(owner):
             self._memory_cap, changes = apply_cap(device, budget, held_outside=max(0, held))
         return changes
@@ -72,15 +73,6 @@ class ModulePlacement:
         if self._memory_cap is not None:
             self._memory_cap.restore()
             self._memory_cap = None
-
-
-def _device_bytes(module: nn.Module, device: torch.device) -> int:
-    """Bytes of ``module``'s parameters and buffers on ``device``, each storage once."""
-    storages = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device == device:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 __all__ = ["ModulePlacement"]

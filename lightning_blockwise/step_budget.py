@@ -121,10 +121,6 @@ class StepBudget:
             block_layers: Decoder layers in each block.
             keep_activations: The ``keep_activations`` option.
         """
-        on_device = {}
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if tensor.device == device:
-                on_device[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         head = model.get_output_embeddings()
         return cls(
             config=model.config,
@@ -132,7 +128,7 @@ class StepBudget:
             activation_bytes=head.weight.element_size() if head is not None else 2,
             block_bytes=list(block_bytes),
             prefetch_depth=prefetch_depth,
-            fixed_bytes=sum(on_device.values()),
+            fixed_bytes=device_bytes(module, device),
             trainable_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad),
             budget=budget,
             offload=offload,
@@ -217,6 +213,15 @@ class StepBudget:
         )
 
 
+def device_bytes(module: nn.Module, device: torch.device) -> int:
+    """Bytes of ``module``'s parameters and buffers on ``device``, each storage once."""
+    storages = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device == device:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def device_limit(device: torch.device) -> int | None:
     """The bytes a CUDA device lets this process allocate (its per-process cap, less the context), else ``None``."""
     if device.type != "cuda":
@@ -291,4 +296,12 @@ def reference_headroom(device: torch.device, budget: int | None, predicted_peak:
     return min(limits) if limits else None
 
 
-__all__ = ["DEFAULT_TOKENS", "StepBudget", "StepPlan", "batch_tokens", "declared_tokens", "device_limit"]
+__all__ = [
+    "DEFAULT_TOKENS",
+    "StepBudget",
+    "StepPlan",
+    "batch_tokens",
+    "declared_tokens",
+    "device_bytes",
+    "device_limit",
+]

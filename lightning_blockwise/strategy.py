@@ -220,7 +220,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             prefetch_depth=self.prefetch_depth,
             budget=self.vram_budget,
             offload=self.offload_activations,
-            block_layers=[len(self.plan.layers_of(block)) for block in range(self.plan.num_blocks)],
+            block_layers=self.plan.layers_per_block,
             keep_activations=self.keep_activations,
         )
         self._planner = StepPlanner(budget, self._budget_owner)

@@ -36,6 +36,11 @@ class BlockPlan:
         """Number of blocks."""
         return -(-self.num_layers // self.block_size)
 
+    @property
+    def layers_per_block(self) -> list[int]:
+        """How many decoder layers each block holds (the last may hold fewer)."""
+        return [len(self.layers_of(block)) for block in range(self.num_blocks)]
+
     def block_of(self, layer: int) -> int:
         """The block that holds decoder layer ``layer``."""
         return layer // self.block_size

@@ -135,7 +135,7 @@ class ModelSizes:
             loss_chunk_tokens=loss_chunk_tokens,
             mlp_tile_tokens=mlp_tile_tokens,
             device_limit=device_limit,
-            block_layers=[len(blocks.layers_of(block)) for block in range(blocks.num_blocks)],
+            block_layers=blocks.layers_per_block,
             keep_activations=keep_activations,
         )
 
