@@ -9,8 +9,10 @@ from lightning_blockwise.planning.units import format_gib
 
 #: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
 #: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
-#: through it, with part of a second one (12 fits the H100 peaks in benchmarks/RESULTS.md).
-_LOGIT_BYTES_PER_ENTRY = 12
+#: through it, with part of a second one (12 fit the 7B-72B H100 peaks in benchmarks/RESULTS.md, but a
+#: Qwen2.5-1.5B step at 4096 tokens, logits-bound, allocated 0.4% over a plan made with 12:
+#: tests/gpu/test_gpu_budget.py; 12.5 covers it).
+_LOGIT_BYTES_PER_ENTRY = 12.5
 #: Hidden-state-sized tensors alive besides the saved inputs: the decoder's output, its gradient,
 #: and a layer's incoming and outgoing gradients.
 _HIDDEN_STATES_ALIVE = 4
@@ -112,7 +114,7 @@ class StepShape:
         saved_inputs = min(self.num_layers, _INPUTS_IN_FLIGHT) if self.offload_inputs else self.num_layers
         saved_inputs *= self.input_bytes()
         rows = self.tokens if self.loss_chunk_tokens is None else min(self.tokens, self.loss_chunk_tokens)
-        logits = rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY
+        logits = int(rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY)
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
         # The decoder's last hidden states and the gradients flowing through the stack, alive throughout.
         through = _HIDDEN_STATES_ALIVE * self.input_bytes()

@@ -113,7 +113,7 @@ def test_predicted_peak_within_10_percent_of_measured(shape: str) -> None:
     # Within 10% and never under (issue 12's long-context model: the loss and a layer's backward are not
     # alive together; before it, the strategy logged 3.35 GB and 6.28 GB for these runs).
     assert 0 <= (predicted - measured) / measured < 0.10, f"{shape}: predicted {predicted / 1e9:.3f} GB"
-    assert round(predicted / 1e9, 2) == {"7b": 3.17, "32b": 5.78}[shape]
+    assert round(predicted / 1e9, 2) == {"7b": 3.21, "32b": 5.82}[shape]
 
 
 def test_long_context_peak_within_10_percent_of_measured() -> None:
