@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
+from lightning_blockwise.planning.memory import BLAS_THREADS, HOPPER_BLAS_WORKSPACE
 from lightning_blockwise.planning.units import format_gib
 
 # NOTE [ Expandable segments ]
@@ -123,6 +125,26 @@ def apply_cap(device: torch.device, budget: int | None, held_outside: int = 0) -
     return DeviceMemoryCap(device, found, turned_on), changes
 
 
+def blas_workspace_bytes(device: torch.device) -> int:
+    """Bytes of the cuBLAS workspaces a training step on ``device`` allocates through the caching allocator.
+
+    One per matmul thread (``BLAS_THREADS``), each sized by ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KIB:COUNT`` pairs) or torch's default: 32 MiB from Hopper on, 8 MiB + 128 KiB before.
+    0 off CUDA.
+    """
+    if device.type != "cuda":
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        workspace = sum(int(kib) * 2**10 * int(count) for kib, count in pairs)
+    elif torch.cuda.get_device_capability(device)[0] >= 9:
+        workspace = HOPPER_BLAS_WORKSPACE
+    else:
+        workspace = 4096 * 2**10 * 2 + 16 * 2**10 * 8
+    return BLAS_THREADS * workspace
+
+
 def _set_allocator_settings(setting: str) -> None:
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:
@@ -130,4 +152,4 @@ def _set_allocator_settings(setting: str) -> None:
     setter(setting)
 
 
-__all__ = ["DeviceMemoryCap", "apply_cap", "check_cap", "expandable_segments_choice"]
+__all__ = ["DeviceMemoryCap", "apply_cap", "blas_workspace_bytes", "check_cap", "expandable_segments_choice"]

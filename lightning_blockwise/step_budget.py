@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.device_memory import blas_workspace_bytes
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK
 
@@ -24,8 +25,9 @@ from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLO
 
 #: Tokens per micro-batch planned for when neither the strategy nor the data module says.
 DEFAULT_TOKENS = 2048
-#: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``:
-#: the CUDA context and cuBLAS workspaces, which ``max_memory_allocated`` does not count.
+#: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``: the
+#: CUDA context and kernels, which ``max_memory_allocated`` does not count (the cuBLAS workspaces it
+#: does count are in the plan's fixed bytes: ``blas_workspace_bytes``).
 _CONTEXT_RESERVE = 2**30
 
 
@@ -128,7 +130,7 @@ class StepBudget:
             activation_bytes=head.weight.element_size() if head is not None else 2,
             block_bytes=list(block_bytes),
             prefetch_depth=prefetch_depth,
-            fixed_bytes=device_bytes(module, device),
+            fixed_bytes=device_bytes(module, device) + blas_workspace_bytes(device),
             trainable_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad),
             budget=budget,
             offload=offload,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
+from lightning_blockwise.planning.memory import BLAS_THREADS, HOPPER_BLAS_WORKSPACE
 from lightning_blockwise.residency.arena import slab_offsets
 from lightning_blockwise.residency.layout import ALIGNMENT, tensor_offsets
 from lightning_blockwise.step_budget import StepBudget
@@ -128,7 +129,8 @@ class ModelSizes:
             activation_bytes=self.activation_bytes,
             block_bytes=self.block_bytes(block_size),
             prefetch_depth=prefetch_depth,
-            fixed_bytes=self.device_bytes + self.trainable_bytes,
+            # The cuBLAS workspaces as on Hopper (plan does not know the card).
+            fixed_bytes=self.device_bytes + self.trainable_bytes + BLAS_THREADS * HOPPER_BLAS_WORKSPACE,
             trainable_bytes=self.trainable_bytes,
             budget=budget,
             offload=offload,

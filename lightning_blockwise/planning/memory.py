@@ -26,6 +26,15 @@ ALLOCATOR_HEADROOM_PERCENT = 10
 #: only small budgets notice: caps of 27 and 67 MiB ran out of memory at 6 and 28 MiB allocated (H100, a small
 #: Llama in tests/gpu/test_gpu_streaming.py).
 ALLOCATOR_SLACK = 128 * 2**20
+#: Threads whose matmuls each get a cuBLAS workspace from the caching allocator during a step: the
+#: forward's and autograd's device thread (a workspace belongs to a handle, and handles to threads).
+#: Freed by ``torch.cuda.empty_cache`` and allocated again at the next matmul, so they count in the
+#: step's peak: 2 x 32 MiB measured on the H100 (tests/gpu/test_gpu_streaming.py, a model small
+#: enough for them to be most of its peak).
+BLAS_THREADS = 2
+#: One cuBLAS workspace under torch's default on Hopper and later (``CUBLAS_WORKSPACE_CONFIG=:4096:8``);
+#: what ``plan`` assumes, not knowing the card.
+HOPPER_BLAS_WORKSPACE = 8 * 4096 * 2**10
 #: Layer inputs on the device at a time with offload on: the one in use, the next one coming
 #: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
 _INPUTS_IN_FLIGHT = 3

@@ -100,7 +100,7 @@ def test_small_config_by_hand() -> None:
 
     plan = sizes.residency(tokens=12, block_size=1, prefetch_depth=2)
     activation = StepShape(12, 32, 64, 96, 4, activation_bytes=4).activation_peak()
-    fixed = sizes.device_bytes + sizes.trainable_bytes
+    fixed = sizes.device_bytes + sizes.trainable_bytes + 2 * 32 * 2**20  # and two cuBLAS workspaces, as on Hopper
     assert plan.predicted_peak == fixed + 3 * sizes.trainable_bytes + activation + 3 * layer
 
 
@@ -113,7 +113,7 @@ def test_predicted_peak_within_10_percent_of_measured(shape: str) -> None:
     # Within 10% and never under (issue 12's long-context model: the loss and a layer's backward are not
     # alive together; before it, the strategy logged 3.35 GB and 6.28 GB for these runs).
     assert 0 <= (predicted - measured) / measured < 0.10, f"{shape}: predicted {predicted / 1e9:.3f} GB"
-    assert round(predicted / 1e9, 2) == {"7b": 3.21, "32b": 5.82}[shape]
+    assert round(predicted / 1e9, 2) == {"7b": 3.28, "32b": 5.88}[shape]
 
 
 def test_long_context_peak_within_10_percent_of_measured() -> None:
@@ -327,7 +327,7 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 16
     assert advice.plan.kept == (0, 1)
     assert advice.minimum == seven.residency(16384, loss_chunk_tokens=1024).minimum
-    assert round(advice.plan.predicted_peak / 1e9, 2) == 22.21
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 22.28
 
     # Offload alone is enough where the saved inputs, not the logits, tip it over: 32B at 8192 tokens.
     thirty_two = model_sizes(_qwen25("32b"), dtype=torch.bfloat16, lora_rank=16)
@@ -435,7 +435,7 @@ def test_recommendation_tiles_the_mlp_last() -> None:
     assert advice.minimum == tiled.minimum
     # Block size 2: two blocks (four layers) fit resident, and the rest stream in fewer, larger copies.
     assert advice.block_size == 2 and advice.plan.resident == (0, 1)
-    assert round(advice.plan.predicted_peak / 1e9, 2) == 22.17
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 22.24
     assert advice.offload_host_bytes == 80 * tokens * 8192 * 2
 
     # A tile the module already uses is kept from the first option on: at 4096 tokens the plain step fits.
@@ -502,5 +502,5 @@ def test_long_context_prediction_is_never_under_the_measured_peak(
     sizes = model_sizes(config, dtype=torch.bfloat16, lora_rank=16)
     predicted = sizes.residency(tokens, offload_inputs=offload, loss_chunk_tokens=chunk, mlp_tile_tokens=tile)
     over = (predicted.predicted_peak - measured) / measured
-    # Within 10% untiled; the tiled MLP's peak is overestimated by up to 15% (RESULTS.md), never under.
-    assert 0 <= over < (0.10 if tile is None else 0.16), f"{shape} at {tokens}: {over:+.1%}"
+    # Within 10% untiled; the tiled MLP's peak is overestimated by up to 17% (RESULTS.md), never under.
+    assert 0 <= over < (0.10 if tile is None else 0.17), f"{shape} at {tokens}: {over:+.1%}"
