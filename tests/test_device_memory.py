@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_blockwise.device_memory import apply_cap, check_cap, expandable_segments_choice
+from lightning_blockwise.device_memory import apply_cap, blas_workspace_bytes, check_cap, expandable_segments_choice
 
 CARD = 80 * 2**30
 DEVICE = torch.device("cuda", 0)
@@ -130,3 +130,14 @@ def test_what_the_process_holds_outside_the_run_comes_on_top(monkeypatch: pytest
     fresh.install(monkeypatch)
     apply_cap(DEVICE, 79 * 2**30, held_outside=4 * 2**30)
     assert fresh.fraction == 1.0
+
+
+@pytest.mark.parametrize(
+    ("config", "workspace"),
+    [(":4096:8", 32 * 2**20), (":4096:2:16:8", 8 * 2**20 + 128 * 2**10), (":16:8", 128 * 2**10)],
+)
+def test_blas_workspaces_follow_the_users_config(monkeypatch: pytest.MonkeyPatch, config: str, workspace: int) -> None:
+    """Two workspaces (the forward's and autograd's threads) of the size CUBLAS_WORKSPACE_CONFIG gives."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    assert blas_workspace_bytes(torch.device("cuda", 0)) == 2 * workspace
+    assert blas_workspace_bytes(torch.device("cpu")) == 0
