@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -23,6 +24,7 @@ from typing_extensions import override
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
+from lightning_blockwise.data_parallel import DataParallelStrategy
 from lightning_blockwise.device_memory import check_cap
 from lightning_blockwise.module_placement import ModulePlacement
 from lightning_blockwise.options import (
@@ -44,7 +46,7 @@ from lightning_blockwise.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.streamed_stack import StreamedStack
 
 
-class BlockwiseStrategy(SingleDeviceStrategy):
+class BlockwiseStrategy(DataParallelStrategy):
     """Train PEFT adapters on a frozen Hugging Face decoder stack that is rematerialized layer by layer.
 
     After the usual single-device setup the strategy finds the decoder layers of the Hugging Face model inside
@@ -74,12 +76,17 @@ class BlockwiseStrategy(SingleDeviceStrategy):
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
             holds what training changes and a fingerprint of the base (NOTE [ Lean checkpoints ] in checkpointing.py).
-        accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        device: The device to train on. When the strategy is chosen by name
-            (``Trainer(strategy="blockwise", accelerator="gpu")``) the Trainer sets it from its accelerator and
-            ``devices``.
-        checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        accelerator: The accelerator (set by the Trainer).
+        device: The one device to train on, for a strategy built by hand; with the strategy chosen by name
+            (``Trainer(strategy="blockwise", accelerator="gpu", devices=N)``) the Trainer sets the devices.
+        parallel_devices: The devices of this node's processes, one each (instead of ``device``).
+        cluster_environment: Where the ranks come from (set by the Trainer: Lightning, torchrun, SLURM, ...).
+        checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.ParallelStrategy`.
+        precision_plugin: Passed to :class:`~lightning.pytorch.strategies.ParallelStrategy`.
+        process_group_backend: With several processes: ``"nccl"``/``"gloo"``; default NCCL on CUDA, gloo on CPUs.
+        timeout: With several processes: how long collectives wait for the other ranks.
+        ddp_kwargs: With several processes: keyword arguments of :class:`~torch.nn.parallel.DistributedDataParallel`
+            (NOTE [ Data parallel, and one device as before ] in data_parallel.py).
 
     Raises:
         MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is not an integer
@@ -107,8 +114,13 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         save_frozen_base: bool = False,
         accelerator: Accelerator | None = None,
         device: _DEVICE | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         check_count("block_size", block_size)
         check_count(
@@ -121,11 +133,20 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         check_optional_bool("offload_activations", offload_activations)
         check_bool("keep_activations", keep_activations)
         check_device(device)
+        if device is not None and parallel_devices is not None:
+            raise MisconfigurationException(
+                f"`BlockwiseStrategy` was given both `device={device!r}` and `parallel_devices={parallel_devices!r}`;"
+                " pass one (or neither, and let the Trainer's `devices` decide)."
+            )
         super().__init__(
-            device="cpu" if device is None else device,
             accelerator=accelerator,
+            parallel_devices=[torch.device(device)] if device is not None else parallel_devices,
+            cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            ddp_kwargs=ddp_kwargs,
         )
         self.block_size = block_size
         self.prefetch_depth = prefetch_depth
@@ -136,7 +157,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._planner: StepPlanner | None = None
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
-        self._device_given = device is not None
         self.plan: BlockPlan | None = None
         self._observer = StreamObserver()
         self._stack: DecoderStack | None = None
@@ -144,24 +164,6 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         self._host_copy: HostCopy | None = None
         self._placement = ModulePlacement()
         self._checkpoints = CheckpointHooks("BlockwiseStrategy")
-
-    # Lightning hands a strategy chosen by name its devices through `parallel_devices`
-    # (see `_AcceleratorConnector._lazy_init_strategy`). A `SingleDeviceStrategy` built from a
-    # string would otherwise stay on the CPU whatever the accelerator.
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The one device to train on, once known."""
-        return [self.root_device] if self._device_given else None
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[_DEVICE]) -> None:
-        if len(devices) != 1:
-            raise MisconfigurationException(
-                f"`BlockwiseStrategy` trains on one device, but the Trainer was given {len(devices)} ({devices}). Use"
-                " `devices=1`."
-            )
-        self._root_device = torch.device(devices[0])
-        self._device_given = True
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -178,7 +180,7 @@ class BlockwiseStrategy(SingleDeviceStrategy):
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
-        super().setup(trainer)  # calls `model_to_device`, which sets up the streamer
+        super().setup(trainer)  # calls `model_to_device`, which sets up the streamer, then wraps in DDP
         assert self._layers is not None and self._planner is not None
         self._layers.install()
         rank_zero_info(f"BlockwiseStrategy: {self._layers.describe(stack.model_type)}; {self._planner.describe()}.")

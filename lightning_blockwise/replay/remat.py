@@ -23,10 +23,21 @@ from lightning_blockwise.residency.base import Pass, Residency
 # arguments and autocast state (NOTE [ Per-layer call replay ] in capture.py), and the
 # same weights (the frozen base is never written; the residency only moves copies).
 #
-# Adapter parameters enter the autograd.Function as explicit inputs, and their gradients
-# leave it as its outputs. Autograd then accumulates them into ``.grad`` itself, so
-# gradient accumulation, tensor hooks, clipping, Lightning's ``on_after_backward`` and
-# DDP's reducer see them exactly as in resident training.
+# Adapter parameters are not inputs of the autograd.Function, and their gradients do not
+# leave it as outputs: the recompute's own backward accumulates them into ``.grad``
+# (``torch.autograd.backward(..., inputs=...)``), through the parameters' own
+# ``AccumulateGrad`` nodes, in the order resident training's backward reaches them. (As
+# inputs that got no gradient back, their ``AccumulateGrad`` nodes would still run in the
+# outer backward, and DDP's hooks on them fire a second time: "Expected to mark a variable
+# ready only once".) The Function takes an empty leaf tensor that requires a gradient
+# instead, so that its output needs one even where the layer input does not (the first
+# layer's input comes from a frozen embedding); its gradient is never computed. Gradient
+# accumulation, tensor hooks, clipping and Lightning's ``on_after_backward`` see them as in
+# resident training either way; the order is for DDP's reducer, which lays out its buckets
+# in the order gradients arrive: returned as outputs, a layer's gradients arrived together
+# in the outer engine's queue order, DDP's rebuilt buckets differed from resident DDP's, and
+# with 3 ranks a sum's order, and so its rounding, changed (tests/distributed: the
+# second optimizer step's loss differed in the last bit).
 #
 # Parameters are kept on ``ctx`` as plain references, not through ``save_for_backward``:
 # they are alive in the module anyway, and saving them would hand them to any
@@ -75,6 +86,8 @@ class RematLayer:
         # The class's own forward: Hugging Face's checkpointing wrapper included, but that is
         # switched off on the instance while this wrapper is installed (see `install`).
         self._forward = type(layer).forward
+        # What makes the Function's output need a gradient when only the adapters do (NOTE [ Exact rematerialization ]).
+        self._anchor = torch.empty(0, requires_grad=True)
 
     def run(self, hidden: Tensor, call: LayerCall) -> Tensor:
         """Evaluate the layer on ``hidden`` with the recorded call arguments."""
@@ -100,7 +113,7 @@ class RematLayer:
             return output
         call = LayerCall.capture(hidden.device, args, kwargs)
         rng = RngSnapshot.capture(hidden.device)
-        return _RematFunction.apply(self, call, rng, hidden, *params)
+        return _RematFunction.apply(self, call, rng, params, hidden, self._anchor)
 
 
 class _RematFunction(torch.autograd.Function):
@@ -108,7 +121,13 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, remat: RematLayer, call: LayerCall, rng: RngSnapshot, hidden: Tensor, *params: nn.Parameter
+        ctx: Any,
+        remat: RematLayer,
+        call: LayerCall,
+        rng: RngSnapshot,
+        params: tuple[nn.Parameter, ...],
+        hidden: Tensor,
+        anchor: Tensor,
     ) -> Tensor:
         remat.residency.acquire(remat.index, Pass.FORWARD)
         output = remat.run(hidden, call)
@@ -130,8 +149,8 @@ class _RematFunction(torch.autograd.Function):
         else:
             hidden = ctx.offload.load(ctx.saved_input)
             del ctx.saved_input
-        wants_input_grad = ctx.needs_input_grad[3]
-        params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:], strict=True) if needed]
+        wants_input_grad = ctx.needs_input_grad[4]
+        params = list(ctx.params)  # those that required a gradient in the forward
 
         remat.residency.acquire(remat.index, Pass.BACKWARD)
         with ctx.rng.replay():
@@ -139,15 +158,13 @@ class _RematFunction(torch.autograd.Function):
             with torch.enable_grad(), ctx.call.autocast_context():
                 output = remat.run(x, ctx.call)
         inputs = [x, *params] if wants_input_grad else params
-        grads = list(torch.autograd.grad(output, inputs, grad_output, allow_unused=True))
+        # Into `.grad`, in resident training's order (NOTE [ Exact rematerialization ]).
+        torch.autograd.backward(output, grad_output, inputs=inputs)
         # The recompute graph dies here, inside the residency (NOTE [ Graphs do not outlive residency ]).
         del output
         remat.residency.release(remat.index, Pass.BACKWARD)
-
-        grad_input = grads.pop(0) if wants_input_grad else None
-        grad_iter = iter(grads)
-        grad_params = [next(grad_iter) if needed else None for needed in ctx.needs_input_grad[4:]]
-        return (None, None, None, grad_input, *grad_params)
+        grad_input = x.grad if wants_input_grad else None
+        return (None, None, None, None, grad_input, None)
 
 
 def install(

@@ -1,0 +1,184 @@
+"""Data-parallel training through Lightning's launchers and PyTorch DDP, and plain one-device training with one process."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+# NOTE [ Data parallel, and one device as before ]
+# With N processes (Trainer `devices`/`num_nodes`, torchrun, SLURM) each rank trains on its own device and PyTorch's
+# DDP reducer sums the adapters' gradients, as under `strategy="ddp"`. The strategy is not a `DDPStrategy` subclass
+# on purpose: the Trainer takes every `DDPStrategy` for distributed (`_AcceleratorConnector.is_distributed` is an
+# isinstance check), and so, even with one device, hands its loaders a `DistributedSampler`: a shuffling loader
+# would then draw another order than under `strategy="auto"`, and training on one device would no longer be
+# bit-identical to resident training. Its launcher would also, with one process, write `LOCAL_RANK` and the like into
+# `os.environ`, after which a second Trainer in the same process takes itself for externally launched. So this is a
+# `ParallelStrategy` that is distributed only with more than one process (:attr:`is_distributed`), and for that case
+# takes `DDPStrategy`'s own launcher choice, process-group setup and collectives (the methods below that are
+# `DDPStrategy`'s, not copies). Processes start as scripts (Lightning's subprocess launcher, torchrun, SLURM):
+# `spawn`/`fork` start methods (`ddp_spawn`, `ddp_notebook`) are not offered, since spawning pickles the module, its
+# host copy of the base included, into every process, and forking needs CUDA untouched in the parent.
+#
+# DDP gets only the trainable parameters: every frozen parameter and every buffer is in its
+# `_ddp_params_and_buffers_to_ignore`. Otherwise it would refuse parameters on two device types (the frozen decoder
+# tensors are views of the host arena), broadcast each one from rank 0 at construction (writing into the arena, and
+# NCCL cannot broadcast host tensors), and broadcast buffers before every forward.
+
+
+class DataParallelStrategy(ParallelStrategy):
+    """One process trains on one device; with several processes, PyTorch DDP reduces the trainable gradients.
+
+    See NOTE [ Data parallel, and one device as before ].
+
+    Args:
+        accelerator: The accelerator (set by the Trainer when omitted).
+        parallel_devices: The devices of this node's processes, one each (set by the Trainer from ``devices``).
+        cluster_environment: Where the ranks come from (set by the Trainer: Lightning, torchrun, SLURM, ...).
+        checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.ParallelStrategy`.
+        precision_plugin: Passed to :class:`~lightning.pytorch.strategies.ParallelStrategy`.
+        process_group_backend: ``"nccl"``/``"gloo"``; default: NCCL on CUDA devices, gloo on CPUs.
+        timeout: How long collectives wait for the other ranks.
+        ddp_kwargs: Keyword arguments of :class:`~torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        ddp_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Manual optimization under DDP: its reducer waits for `manual_backward` (as in DDPStrategy).
+        self._forward_redirection = _DDPForwardRedirection()
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+
+    # DDPStrategy's own: node count, processes per node, the sampler's ranks, backend choice, world ranks, the process
+    # group, and the collectives (each a no-op until a process group exists, as with one process).
+    num_nodes = DDPStrategy.num_nodes
+    num_processes = DDPStrategy.num_processes
+    distributed_sampler_kwargs = DDPStrategy.distributed_sampler_kwargs
+    process_group_backend = DDPStrategy.process_group_backend
+    _get_process_group_backend = DDPStrategy._get_process_group_backend
+    set_world_ranks = DDPStrategy.set_world_ranks
+    setup_distributed = DDPStrategy.setup_distributed
+    determine_ddp_device_ids = DDPStrategy.determine_ddp_device_ids
+    barrier = DDPStrategy.barrier
+    broadcast = DDPStrategy.broadcast
+    reduce = DDPStrategy.reduce
+    pre_backward = DDPStrategy.pre_backward
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """This process's device: its local rank's entry of ``parallel_devices`` (the CPU until they are known)."""
+        if not self.parallel_devices:
+            return torch.device("cpu")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether the run has more than one process (what the Trainer asks before giving loaders a DistributedSampler)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = (
+            _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            if self.is_distributed
+            else None
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.is_distributed:
+            self.setup_distributed()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting and self.is_distributed:
+            self.model = self._wrap_in_ddp(self.model)
+        elif self.is_distributed:
+            # Every rank loaded the same weights; only what training changes could differ.
+            _broadcast_trainable(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _wrap_in_ddp(self, module: nn.Module) -> DistributedDataParallel:
+        """``module`` in :class:`~torch.nn.parallel.DistributedDataParallel`, which sees its trainable parameters only."""
+        ignored = [name for name, param in module.named_parameters() if not param.requires_grad]
+        ignored += [name for name, _ in module.named_buffers()]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+        device_ids = self.determine_ddp_device_ids()
+        # As DDPStrategy does: DDP's constructor runs collectives, kept off the default stream
+        # (https://pytorch.org/docs/stable/notes/cuda.html#id5).
+        context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+        with context:
+            return DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = module
+        if module is not None and module._trainer is not None and self._layer_sync:
+            if module._trainer.state.fn == TrainerFn.FITTING:
+                self.model = self._layer_sync.revert(self.model)
+        super().teardown()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _broadcast_trainable(module: nn.Module) -> None:
+    """Rank 0's trainable parameters into every rank's (outside fitting, where no DDP wrapper syncs them)."""
+    if not _distributed_is_initialized():
+        return
+    for param in module.parameters():
+        if param.requires_grad:
+            torch.distributed.broadcast(param.data, src=0)
+
+
+__all__ = ["DataParallelStrategy"]
