@@ -96,6 +96,14 @@ class StepTimer(pl.Callback):
             self.h2d_bytes.append(streamer.stats.bytes if streamer is not None else 0)
 
 
+def build_model(shape: str, device: torch.device) -> tuple[nn.Module, transformers.PretrainedConfig]:
+    """The benchmark's model: random-init NF4 of ``shape`` (seed 0) with LoRA r=16 on the seven projections."""
+    torch.manual_seed(0)
+    config = SHAPES[shape]()
+    model = get_peft_model(random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    return model, config
+
+
 def forward_nograd(model: nn.Module, steps: int, warmup: int, vocab: int, seq: int) -> dict[str, float]:
     """The resident decoder's forward under ``torch.no_grad`` (bf16 autocast), median seconds over ``steps``."""
     decoder = model.get_base_model().get_decoder()
@@ -184,11 +192,7 @@ def main() -> None:
     mode = "deterministic" if args.deterministic else "default"
     rows = []
     for shape in args.shapes:
-        torch.manual_seed(0)
-        config = SHAPES[shape]()
-        model = get_peft_model(
-            random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
-        )
+        model, config = build_model(shape, device)
         for arm in args.arms:
             model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
             result = run_arm(model, arm, args.steps, args.warmup, config.vocab_size, args.deterministic, args.seq)

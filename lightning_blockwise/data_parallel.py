@@ -1,4 +1,4 @@
-"""Data-parallel training through Lightning's launchers and PyTorch DDP, and plain one-device training with one process."""
+"""Data-parallel training through Lightning's launchers and PyTorch DDP; plain one-device training with one process."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class DataParallelStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Whether the run has more than one process (what the Trainer asks before giving loaders a DistributedSampler)."""
+        """Whether the run has more than one process (the Trainer asks before giving loaders a DistributedSampler)."""
         return self.num_nodes * self.num_processes > 1
 
     @override
@@ -148,7 +148,7 @@ class DataParallelStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _wrap_in_ddp(self, module: nn.Module) -> DistributedDataParallel:
-        """``module`` in :class:`~torch.nn.parallel.DistributedDataParallel`, which sees its trainable parameters only."""
+        """``module`` in :class:`~torch.nn.parallel.DistributedDataParallel`, which sees its trainable parameters."""
         ignored = [name for name, param in module.named_parameters() if not param.requires_grad]
         ignored += [name for name, _ in module.named_buffers()]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)

@@ -32,6 +32,16 @@ from lightning_blockwise.residency.arena import HostArena
 # out memory that queued kernels still use: it orders reuse by the compute stream alone), and
 # the input is read only after the compute stream waited for the copy: no record_stream.
 #
+# Both copies follow one pattern (``_copy``): the side stream waits for the compute stream's
+# queued work and for one more event, copies, and records an event the reader waits on. The
+# events are taken from a free list and given back once every wait on them has been issued
+# (NOTE [ Reused events ] in residency/streamer.py), so a step creates no CUDA events.
+#
+# Bookkeeping is O(1) per layer: the inputs still held form a stack in save order, and the
+# backward takes them from the top. An input fetched or taken back out of order is only
+# marked; it leaves the stack when it reaches the top, or when the stack is pruned of dead
+# and taken handles once it has grown to twice its size after the last pruning.
+#
 # Inputs that are not contiguous stay on the device (a contiguous copy could change the
 # kernels the recompute picks); ``stats.kept_on_device`` counts them.
 
@@ -65,11 +75,20 @@ class SavedInput:
         """The input's bytes in host memory (``None`` when it stayed on the device or was taken back)."""
         return self._host
 
+    @property
+    def pending(self) -> bool:
+        """Whether the input waits in host memory and its copy back has not started."""
+        return self._slab is not None and self._fetched is None
+
     def __del__(self) -> None:
         # A graph dropped without its backward (an exception, a loss never differentiated) gives its slab back.
-        if self._slab is not None:
-            self._pool._give(self._slab)
-            self._slab = None
+        if self._slab is None:
+            return
+        if self._fetched is not None and self._fetched.is_cuda:
+            # Its copy back may still be writing a buffer the compute stream no longer orders after it.
+            self._fetched.record_stream(self._pool._to_device)
+        self._pool._give(self._slab, self._stored, self._fetched_event)
+        self._slab = self._stored = self._fetched_event = None
 
 
 class ActivationOffload:
@@ -93,10 +112,14 @@ class ActivationOffload:
         self._arenas: list[HostArena] = []
         self._free: list[Tensor] = []
         self._taken = 0
+        # The inputs saved and not yet fetched, in save order (NOTE [ Layer-input offload ]: a stack).
         self._live: list[weakref.ref[SavedInput]] = []
+        self._prune_at = num_layers
         self._cuda = device.type == "cuda"
         self._to_host = torch.cuda.Stream(device) if self._cuda else None
         self._to_device = torch.cuda.Stream(device) if self._cuda else None
+        # NOTE [ Reused events ] in residency/streamer.py: events whose waits have all been issued.
+        self._events: list[torch.cuda.Event] = []
         self.slab_bytes = 0
         self.stats = OffloadStats()
         self.reserve(slab_bytes)
@@ -128,7 +151,7 @@ class ActivationOffload:
     def held(self) -> list[Tensor]:
         """The host copies of the inputs saved and not yet brought back, oldest first."""
         saved = [ref() for ref in self._live]
-        return [s.host for s in saved if s is not None and s.host is not None and s._fetched is None]
+        return [s.host for s in saved if s is not None and s.pending and s.host is not None]
 
     def reset_stats(self) -> OffloadStats:
         """Return the traffic counters and start new ones."""
@@ -147,22 +170,15 @@ class ActivationOffload:
         self._taken += 1
         host = slab[:nbytes].view(hidden.dtype).view(hidden.shape)
         saved = SavedInput(self, slab, host, None)
+        # A slab given back by a graph dropped mid-backward may still be read by its prefetch.
+        saved._stored = self._copy(self._to_host, host, hidden, after=self._to_device)
         if self._cuda:
-            assert self._to_host is not None
-            self._to_host.wait_stream(torch.cuda.current_stream(self.device))
-            # A slab given back by a graph dropped mid-backward may still be read by its prefetch.
-            self._to_host.wait_stream(self._to_device)
-            with torch.cuda.stream(self._to_host):
-                host.copy_(hidden, non_blocking=True)
-                saved._stored = torch.cuda.Event()
-                saved._stored.record(self._to_host)
             # The caching allocator must not hand `hidden`'s memory out before the copy has read it.
             hidden.record_stream(self._to_host)
-        else:
-            host.copy_(hidden)
-        if len(self._live) >= self.num_layers:
-            # Handles of graphs dropped without their backward.
-            self._live = [ref for ref in self._live if (held := ref()) is not None and held._slab is not None]
+        if len(self._live) >= self._prune_at:
+            # Handles of graphs dropped without their backward, or taken out of order.
+            self._live = [ref for ref in self._live if (held := ref()) is not None and held.pending]
+            self._prune_at = max(self.num_layers, 2 * len(self._live))
         self._live.append(weakref.ref(saved))
         self.stats.saved += 1
         self.stats.device_to_host_bytes += nbytes
@@ -179,20 +195,20 @@ class ActivationOffload:
         assert hidden is not None
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+        # Every wait on both events is issued now (NOTE [ Reused events ]).
+        stored, saved._stored = saved._stored, None
         saved._fetched, saved._fetched_event, saved._host = None, None, None
         if saved._slab is not None:
-            self._give(saved._slab)
+            self._give(saved._slab, stored, event)
             saved._slab = None
         # NOTE [ Layer-input offload ]: the backward runs the layers in reverse, so the input saved last
         # among those still held is the next one needed.
         while self._live:
             following = self._live[-1]()
-            if following is None or following._slab is None:
-                self._live.pop()
-                continue
-            if following._fetched is None:
+            if following is not None and following.pending:
                 self._fetch(following)
-            break
+                break
+            self._live.pop()
         return hidden
 
     def close(self) -> None:
@@ -200,29 +216,58 @@ class ActivationOffload:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self._live.clear()
+        self._prune_at = self.num_layers
         self._free.clear()
         self._arenas.clear()
+        self._events.clear()
         self._taken = 0
         self.slab_bytes = 0
 
     def _fetch(self, saved: SavedInput) -> None:
-        self._live = [ref for ref in self._live if ref() is not saved]
+        if self._live and self._live[-1]() is saved:
+            # The usual case; one fetched out of order stays marked on the stack (NOTE [ Layer-input offload ]).
+            self._live.pop()
         host = saved._host
         assert host is not None
         device = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        if self._cuda:
-            assert self._to_device is not None and saved._stored is not None
-            # The buffer is the compute stream's: kernels queued there may still use its memory.
-            self._to_device.wait_stream(torch.cuda.current_stream(self.device))
-            self._to_device.wait_event(saved._stored)
-            with torch.cuda.stream(self._to_device):
-                device.copy_(host, non_blocking=True)
-                saved._fetched_event = torch.cuda.Event()
-                saved._fetched_event.record(self._to_device)
-        else:
-            device.copy_(host)
+        # The buffer is the compute stream's: `_copy` waits for the kernels queued there (they may use its memory).
+        saved._fetched_event = self._copy(self._to_device, device, host, after=saved._stored)
         saved._fetched = device
         self.stats.host_to_device_bytes += host.numel() * host.element_size()
+
+    def _copy(
+        self,
+        stream: torch.cuda.Stream | None,
+        dst: Tensor,
+        src: Tensor,
+        after: torch.cuda.Event | torch.cuda.Stream | None,
+    ) -> torch.cuda.Event | None:
+        """Copy ``src`` into ``dst`` on ``stream`` behind the compute stream's queued work and ``after``.
+
+        Returns the event recorded behind the copy (``None`` on the CPU, where the copy is synchronous).
+        See NOTE [ Layer-input offload ] for why each copy waits for what it waits for.
+        """
+        if stream is None:
+            dst.copy_(src)
+            return None
+        # One event for both waits: each is issued right after its record (NOTE [ Reused events ]).
+        ready = self._event()
+        ready.record(torch.cuda.current_stream(self.device))
+        stream.wait_event(ready)
+        if isinstance(after, torch.cuda.Stream):
+            ready.record(after)
+            stream.wait_event(ready)
+        elif after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        self._events.append(ready)
+        done = self._event()
+        done.record(stream)
+        return done
+
+    def _event(self) -> torch.cuda.Event:
+        return self._events.pop() if self._events else torch.cuda.Event()
 
     def _grow(self) -> Tensor:
         """One more set of slabs, when more inputs are held at once than a step of ``num_layers`` saves."""
@@ -239,10 +284,12 @@ class ActivationOffload:
             fix="train on fewer tokens per micro-batch, or keep them on the GPU (`offload_activations=False`)",
         )
 
-    def _give(self, slab: Tensor) -> None:
+    def _give(self, slab: Tensor, *events: torch.cuda.Event | None) -> None:
+        """Take back a slab, and the events of its copies (NOTE [ Reused events ])."""
         self._taken = max(0, self._taken - 1)
         if self._arenas and slab.numel() >= self.slab_bytes:
             self._free.append(slab)
+        self._events.extend(event for event in events if event is not None)
 
 
 __all__ = ["ActivationOffload", "OffloadStats", "SavedInput"]

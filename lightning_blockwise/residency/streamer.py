@@ -26,6 +26,20 @@ from lightning_blockwise.residency.layout import BlockLayout
 # the caching allocator never hands their memory to anything else and no
 # ``record_stream`` is needed.
 #
+# NOTE [ Reused events ]
+# A stream that waits on an event waits for the work of that event's most recent record at
+# the time the wait is issued; recording the event again later changes nothing for waits
+# already issued (``cudaStreamWaitEvent``: "Once this call has returned, any functions
+# (including cudaEventRecord() and cudaEventDestroy()) may be called on event again, and
+# subsequent calls will not have any effect on stream"). Recording one event again is
+# therefore, for every wait, the same as replacing it with a fresh one, as long as nothing
+# waits on an older record later. The streamer only ever waits on the latest copy into a
+# slot and the latest release of a slot's block (NOTE [ Slot reuse ]), so each slot keeps
+# one ``copied`` and one ``freed`` event for the whole run: the waits are those fresh events
+# gave, without a ``cudaEventCreate`` and ``cudaEventDestroy`` per copy and per release.
+# The layer-input offload (residency/activations.py) gives its events back to a free list
+# once every wait on them has been issued.
+#
 # NOTE [ Prefetch order ]
 # Blocks are needed 0..K-1 in the forward and K-1..0 in the backward. On each acquire the
 # streamer starts copies for the next ``prefetch_depth`` blocks in the pass's direction,
@@ -169,9 +183,10 @@ class BlockStreamer(Residency):
         last = layers[-1] if phase is Pass.FORWARD else layers[0]
         if layer == last and self._cuda:
             slot = self._block_slot[block]
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._freed[slot] = event
+            # Recorded again, not made anew (NOTE [ Reused events ]): copies wait on the latest release only.
+            freed = self._freed[slot] or torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.device))
+            self._freed[slot] = freed
 
     def _fetch(self, block: int, window: Sequence[int]) -> None:
         """Copy ``block`` into a free slot, or the least recently used one outside ``window``."""
@@ -196,7 +211,8 @@ class BlockStreamer(Residency):
                 self.observer.copy_started(block)
                 target.copy_(host, non_blocking=True)
                 self.observer.copy_finished(block, layout.nbytes)
-                copied = torch.cuda.Event()
+                # Recorded again (NOTE [ Reused events ]): `acquire` waits on the latest copy into the slot only.
+                copied = self._copied[slot] or torch.cuda.Event()
                 copied.record(self._copy_stream)
             self._copied[slot] = copied
         else:

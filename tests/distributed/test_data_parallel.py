@@ -1,4 +1,4 @@
-"""Data-parallel blockwise training on CPUs (gloo): exact against `strategy="ddp"`, launched as Lightning or torchrun do.
+"""Data-parallel blockwise training on CPUs (gloo): exact against `strategy="ddp"`, launched like Lightning or torchrun.
 
 Every arm runs its ranks as separate processes (`tests/helpers/ddp_worker.py`), each with one thread.
 """
@@ -48,8 +48,14 @@ def run_external(out: Path, checkpoint: Path, strategy: str, world: int, *extra:
         subprocess.Popen(
             _worker(out, checkpoint, strategy, world, *extra),
             cwd=ROOT,
-            env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), RANK=str(rank),
-                     LOCAL_RANK=str(rank), NODE_RANK="0"),  # fmt: skip
+            env=_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

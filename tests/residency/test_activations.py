@@ -140,3 +140,73 @@ def test_offload_short_of_host_ram_is_refused_naming_it(monkeypatch: pytest.Monk
     monkeypatch.setattr("lightning_blockwise.residency.arena.available_host_memory", lambda: 2 * 1024**3 + 100)
     with pytest.raises(MisconfigurationException, match=r"layer inputs offloaded .*offload_activations=False"):
         ActivationOffload(torch.device("cpu"), num_layers=4, slab_bytes=1000, pin=False)
+
+
+class _CountingList(list):
+    """A list that counts how often it is walked: the handle stack must not be walked per layer."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def _saved_inputs(offload: ActivationOffload, count: int) -> tuple[list[Tensor], list[Any]]:
+    inputs = [torch.randn(4, 4) for _ in range(count)]
+    return inputs, [offload.save(x) for x in inputs]
+
+
+def test_the_backward_order_never_walks_the_handles() -> None:
+    """NOTE [ Layer-input offload ]: O(1) per layer; the one walk seen is the control (`held()` does walk)."""
+    offload = ActivationOffload(torch.device("cpu"), num_layers=16, slab_bytes=64, pin=False)
+    inputs, handles = _saved_inputs(offload, 16)
+    offload._live = _CountingList(offload._live)
+    _CountingList.walks = 0
+    for x, handle in reversed(list(zip(inputs, handles, strict=True))):
+        assert torch.equal(offload.load(handle), x)
+    assert _CountingList.walks == 0
+    offload.held()
+    assert _CountingList.walks == 1
+
+
+def test_each_load_prefetches_the_input_saved_just_before_it() -> None:
+    offload = ActivationOffload(torch.device("cpu"), num_layers=4, slab_bytes=64, pin=False)
+    _, handles = _saved_inputs(offload, 4)
+    offload.load(handles[3])
+    assert [h.pending for h in handles[:3]] == [True, True, False]
+    assert len(offload.held()) == 2
+    offload.load(handles[2])
+    assert [h.pending for h in handles[:2]] == [True, False]
+    assert offload.stats.host_to_device_bytes == 3 * 4 * 4 * 4  # 3 inputs on their way back, none twice
+
+
+def test_out_of_order_loads_come_back_exact_and_fetch_each_input_once() -> None:
+    offload = ActivationOffload(torch.device("cpu"), num_layers=6, slab_bytes=64, pin=False)
+    inputs, handles = _saved_inputs(offload, 6)
+    order = [2, 5, 4, 0, 3, 1]
+    for index in order:
+        assert torch.equal(offload.load(handles[index]), inputs[index]), f"input {index} came back wrong"
+    assert offload.stats.host_to_device_bytes == 6 * 4 * 4 * 4
+    assert offload.held() == [] and offload._live == []
+
+
+def test_control_a_changed_host_copy_comes_back_changed() -> None:
+    """The equality above can fail: a bit flipped in a host copy is what the load returns."""
+    offload = ActivationOffload(torch.device("cpu"), num_layers=2, slab_bytes=64, pin=False)
+    inputs, handles = _saved_inputs(offload, 2)
+    handles[1].host.view(torch.uint8).view(-1)[3] ^= 0x01
+    assert not torch.equal(offload.load(handles[1]), inputs[1])
+    assert torch.equal(offload.load(handles[0]), inputs[0])
+
+
+def test_handles_stay_bounded_when_graphs_are_dropped_or_half_differentiated() -> None:
+    offload = ActivationOffload(torch.device("cpu"), num_layers=4, slab_bytes=64, pin=False)
+    allocated = offload.host_bytes
+    for step in range(20):
+        inputs, handles = _saved_inputs(offload, 4)
+        if step % 2:
+            offload.load(handles[3])  # a backward that stops after one layer
+        del inputs, handles
+        assert len(offload._live) <= 2 * offload.num_layers
+    assert offload.host_bytes == allocated and offload.held() == []

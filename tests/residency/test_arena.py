@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def test_slabs_are_exact_and_aligned() -> None:
 def test_not_enough_host_ram_is_refused_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena, "available_host_memory", lambda: 3 * 2**30)
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated before checking"))
+    monkeypatch.setattr(os, "memfd_create", lambda *a, **k: pytest.fail("allocated before checking"))
     with pytest.raises(MisconfigurationException, match=r"needs 2\.15 GB of host RAM.*only 3\.22 GB are available"):
         HostArena([2 * 2**30], pin=False)
 
