@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.distributed
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FrozenBase
@@ -23,6 +28,14 @@ from lightning_blockwise.streamed_stack import StreamedStack
 # first batch, the strategy hands the waiting state to the loader and has the loop make its iterator
 # again, as `setup_data` would have. It reads the fit loop's private attributes (Lightning 2.6);
 # `tests/cli/test_resume.py` fails if they change.
+#
+# A checkpoint written at the end of an epoch has a second trap: the uninterrupted run makes the
+# next epoch's loader iterator after it (the iterator draws its base seed from the global RNG),
+# while the resumed run made its iterator when it set up its data, before the RNG states are put
+# back; every random number of the resumed epoch was then one draw off (dropout masks differed from
+# the first batch on). So after putting the states back the strategy makes that iterator again,
+# with the samplers' epoch set first, as the uninterrupted run does (tests/distributed and
+# tests/test_checkpointing.py, resumed after an epoch: exact, with controls).
 
 
 class CheckpointHooks:
@@ -59,9 +72,19 @@ class CheckpointHooks:
         return state if self.base is None else self.base.checkpoint_state(state, include_base=include_base)
 
     def record(self, checkpoint: dict[str, Any], include_base: bool) -> None:
-        """Record the format, the base and the RNG states now under :data:`CHECKPOINT_KEY` in ``checkpoint``."""
-        if self.base is not None:
-            checkpoint[CHECKPOINT_KEY] = self.base.checkpoint_meta(include_base)
+        """Record the format, the base and the RNG states now under :data:`CHECKPOINT_KEY` in ``checkpoint``.
+
+        With several processes every rank calls this (Lightning saves on every rank and writes rank 0's), and
+        the RNG states of all of them are recorded, one per rank (NOTE [ Exact resume ] in replay/rng.py).
+        """
+        if self.base is None:
+            return
+        meta = self.base.checkpoint_meta(include_base)
+        if _distributed_is_initialized() and torch.distributed.get_world_size() > 1:
+            states: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, meta["rng"])
+            meta["rng_per_rank"] = states
+        checkpoint[CHECKPOINT_KEY] = meta
 
     def load(
         self, module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, layers: StreamedStack | None
@@ -108,18 +131,49 @@ class CheckpointHooks:
             fit_loop._data_fetcher.setup(fit_loop._combined_loader)
             iter(fit_loop._data_fetcher)
 
-    def resume_rng(self, checkpoint: Mapping[str, Any]) -> None:
-        """Have :meth:`restore_rng` put back the RNG states ``checkpoint`` recorded (one resumed by ``fit``)."""
-        self._rng_to_restore = (checkpoint.get(CHECKPOINT_KEY) or {}).get("rng")
+    @staticmethod
+    def restart_epoch(fit_loop: Any) -> None:
+        """After the RNG states are back, make a loader iterator again for a run resumed at an epoch's end.
 
-    def restore_rng(self) -> None:
-        """Put back the RNG states of the checkpoint :meth:`resume_rng` saw, once."""
-        if self._rng_to_restore is not None:
-            # NOTE [ Exact resume ] in replay/rng.py. The strategy calls this after the loops, the data and
-            # every `on_train_start` hook are set up and before the first batch is drawn, as where the
-            # checkpoint was written.
-            GlobalRngState.from_state_dict(self._rng_to_restore).restore()
-            self._rng_to_restore = None
+        NOTE [ Loader state restored late ]; a no-op for a fresh run or one resumed mid-epoch.
+        """
+        if not (fit_loop.resumed_on_epoch_end or fit_loop.restarted_on_epoch_end) or fit_loop._data_fetcher is None:
+            return
+        for loader in fit_loop._combined_loader.flattened:
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+        iter(fit_loop._data_fetcher)
+
+    def resume_rng(self, checkpoint: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
+        """Have :meth:`restore_rng` put back the RNG states ``checkpoint`` recorded (one resumed by ``fit``).
+
+        Args:
+            checkpoint: Lightning's checkpoint.
+            rank: This process's global rank: with a checkpoint of as many ranks, it gets its own states back.
+            world_size: The number of processes now.
+        """
+        meta = checkpoint.get(CHECKPOINT_KEY) or {}
+        per_rank = meta.get("rng_per_rank")
+        self._rng_to_restore = meta.get("rng")
+        if per_rank is not None and len(per_rank) == world_size:
+            self._rng_to_restore = per_rank[rank]
+        elif per_rank is not None or world_size > 1:
+            written_by = len(per_rank) if per_rank is not None else 1
+            rank_zero_warn(
+                f"{self.owner}: this checkpoint was written by {written_by} process(es) and resumes on {world_size}:"
+                " every rank starts from rank 0's random-number states and the data is sharded differently, so the"
+                f" resumed run is not the one that wrote it. Resume with {written_by} process(es) for an exact resume."
+            )
+
+    def restore_rng(self) -> bool:
+        """Put back the RNG states of the checkpoint :meth:`resume_rng` saw, once; whether there were any."""
+        if self._rng_to_restore is None:
+            return False
+        # NOTE [ Exact resume ] in replay/rng.py. The strategy calls this after the loops, the data and
+        # every `on_train_start` hook are set up and before the first batch is drawn, as where the
+        # checkpoint was written.
+        GlobalRngState.from_state_dict(self._rng_to_restore).restore()
+        self._rng_to_restore = None
+        return True
 
 
 __all__ = ["CheckpointHooks"]

@@ -395,7 +395,7 @@ class BlockwiseStrategy(DataParallelStrategy):
             return
         self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._checkpoints.resume_rng(checkpoint)
+            self._checkpoints.resume_rng(checkpoint, self.global_rank, self.world_size)
 
     @override
     def on_train_start(self) -> None:
@@ -405,8 +405,10 @@ class BlockwiseStrategy(DataParallelStrategy):
             refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(self._stack))
         # NOTE [ Loader state restored late ] in checkpoint_hooks.py, then NOTE [ Exact resume ] in replay/rng.py:
         # after every `on_train_start` hook, before the first batch.
-        self._checkpoints.resume_loader(self.lightning_module.trainer.fit_loop)
-        self._checkpoints.restore_rng()
+        fit_loop = self.lightning_module.trainer.fit_loop
+        self._checkpoints.resume_loader(fit_loop)
+        if self._checkpoints.restore_rng():
+            self._checkpoints.restart_epoch(fit_loop)
 
     @override
     def teardown(self) -> None:

@@ -322,3 +322,27 @@ def test_rng_state_loads_weights_only(tmp_path: Path) -> None:
     GlobalRngState.from_state_dict(torch.load(tmp_path / "rng.pt", weights_only=True)).restore()
     assert random.random() == expected[0] and np.random.rand() == expected[1]
     assert torch.equal(torch.rand(3), expected[2])
+
+
+def _epoch_run(root: Path, ckpt_path: Path | None = None) -> RunResult:
+    """Two epochs of a plain loader whose iterator draws its base seed from the global RNG; a checkpoint per epoch."""
+    pl.seed_everything(0, verbose=False)
+    module = CausalLMModule(lambda: build_model("llama", lora_dropout=0.1), in_configure_model=True)
+    save = ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fitted = trainer(BlockwiseStrategy(), max_steps=-1, max_epochs=2, accumulate_grad_batches=1,
+                     enable_checkpointing=True, callbacks=[save])  # fmt: skip
+    fitted.fit(module, loader(padded_batches(4)), ckpt_path=ckpt_path)
+    return collect(module, trainer_optimizer(module))
+
+
+def test_resume_at_an_epoch_end_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Loader state restored late ]: resumed from the checkpoint written at the end of epoch 0, exact.
+
+    Control: without making the loader iterator again after the RNG states are back, every random number of the
+    resumed epoch is one draw off.
+    """
+    whole = _epoch_run(tmp_path / "whole")
+    checkpoint = tmp_path / "whole" / "epoch=0.ckpt"
+    assert_equal_runs(_tail(whole, 4), _epoch_run(tmp_path / "second", ckpt_path=checkpoint))
+    monkeypatch.setattr(CheckpointHooks, "restart_epoch", staticmethod(lambda fit_loop: None))
+    assert runs_differ(_tail(whole, 4), _epoch_run(tmp_path / "third", ckpt_path=checkpoint))

@@ -83,3 +83,26 @@ def test_three_ranks_exact_against_ddp(checkpoint: Path, tmp_path: Path) -> None
     # Control: buckets of another layout sum in another order.
     other = run_external(tmp_path / "other", checkpoint, "ddp", 3, "--ddp-kwargs", '{"bucket_cap_mb": 0.0005}')
     assert runs_differ(ddp[0], other[0])
+
+
+def test_resume_on_two_ranks_is_exact(checkpoint: Path, tmp_path: Path) -> None:
+    """Resumed after its first epoch, a 2-rank run ends as the uninterrupted one: every rank's RNG comes back.
+
+    The ranks draw different dropout masks (`_RankSeed`), so a resume that gave rank 1 rank 0's random numbers
+    would differ: the control resumes from the same checkpoint without the per-rank states.
+    """
+    whole = run_external(tmp_path / "whole", checkpoint, "blockwise", 2, "--epochs", "2")
+    first = sorted((tmp_path / "whole" / "checkpoints").glob("epoch=0*.ckpt"))
+    assert len(first) == 1, list((tmp_path / "whole" / "checkpoints").iterdir())
+    resumed = run_external(tmp_path / "resumed", checkpoint, "blockwise", 2, "--epochs", "2", "--resume", str(first[0]))
+    # The resumed run's records start at the second epoch: compare them with the uninterrupted run's.
+    tails = [RunResult(run.losses[4:], run.grads[2:], run.weights, run.optimizer) for run in whole]
+    for rank in range(2):
+        assert_equal_runs(tails[rank], resumed[rank])
+    control = run_external(
+        tmp_path / "control", checkpoint, "blockwise", 2, "--epochs", "2", "--resume", str(first[0]), "--drop-rank-rng"
+    )
+    # Rank 1 draws rank 0's masks from the first micro-batch on; after the first reduction both ranks differ.
+    assert not torch.equal(whole[1].losses[4], control[1].losses[0])
+    assert torch.equal(whole[0].losses[4], control[0].losses[0])
+    assert runs_differ(tails[0], control[0]) and runs_differ(tails[1], control[1])

@@ -9,14 +9,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy
-from tests.helpers.models import CausalLMModule, build_model, fit, padded_batches
+from lightning_blockwise.checkpointing import CHECKPOINT_KEY
+from tests.helpers.models import (
+    CausalLMModule,
+    RunResult,
+    build_model,
+    collect,
+    fit,
+    loader,
+    padded_batches,
+    trainer,
+    trainer_optimizer,
+)
 
 
 def main() -> None:
@@ -27,6 +42,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--ddp-kwargs", type=json.loads, default={}, help="JSON keyword arguments of DDP")
     parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=None, help="train this many epochs of 2 steps (not max-steps)")
+    parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
+    parser.add_argument("--drop-rank-rng", action="store_true", help="control: resume without the ranks' own RNG")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -35,12 +53,39 @@ def main() -> None:
         strategy = BlockwiseStrategy(ddp_kwargs=args.ddp_kwargs)
     else:
         strategy = DDPStrategy(**args.ddp_kwargs)
-    # Every rank draws 2 micro-batches per optimizer step from its shard of the data (Lightning's DistributedSampler).
-    batches = padded_batches(args.devices * 2 * args.max_steps, seed=7)
-    result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps, accumulate_grad_batches=2)
-    rank = module.trainer.global_rank
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out / f"rank{rank}.pt")
+    if args.epochs is None:
+        # Every rank draws 2 micro-batches per optimizer step from its shard (Lightning's DistributedSampler).
+        batches = padded_batches(args.devices * 2 * args.max_steps, seed=7)
+        result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps,
+                     accumulate_grad_batches=2)  # fmt: skip
+    else:
+        result = _fit_epochs(module, strategy, args)
+    torch.save(result, args.out / f"rank{module.trainer.global_rank}.pt")
+
+
+class _RankSeed(Callback):
+    """Each rank its own random numbers (dropout), so that a resume must give each its own states back."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.manual_seed(1000 + trainer.global_rank)
+
+
+def _fit_epochs(module: CausalLMModule, strategy: Any, args: argparse.Namespace) -> RunResult:
+    """Train ``args.epochs`` epochs of 2 optimizer steps per rank, a checkpoint after each; or resume one."""
+    pl.seed_everything(0, verbose=False)
+    save = ModelCheckpoint(dirpath=args.out / "checkpoints", save_top_k=-1, every_n_epochs=1, save_last=False)
+    fitter = trainer(strategy, devices=args.devices, max_steps=-1, max_epochs=args.epochs, accumulate_grad_batches=2,
+                     enable_checkpointing=True, callbacks=[_RankSeed(), save])  # fmt: skip
+    ckpt_path = args.resume
+    if ckpt_path is not None and args.drop_rank_rng:
+        checkpoint = torch.load(ckpt_path, weights_only=False)
+        del checkpoint[CHECKPOINT_KEY]["rng_per_rank"]
+        # Each rank its own copy (they read it at once).
+        ckpt_path = args.out / f"without_rank_rng_{os.environ.get('RANK', '0')}.ckpt"
+        torch.save(checkpoint, ckpt_path)
+    fitter.fit(module, loader(padded_batches(args.devices * 4, seed=7)), ckpt_path=ckpt_path)
+    return collect(module, trainer_optimizer(module))
 
 
 if __name__ == "__main__":
