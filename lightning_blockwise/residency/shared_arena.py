@@ -1,0 +1,356 @@
+"""One host copy of the frozen base per machine: processes that train the same base share its arena.
+
+The first process to :func:`claim` a key owns it: it builds and loads its
+:class:`~lightning_blockwise.residency.arena.HostArena`, then publishes it. Every other process
+that claims the key attaches: it maps the owner's pages read-only instead of loading a copy::
+
+    with claim(key) as arena_claim:
+        shared = None if arena_claim.owner else arena_claim.attach(pin=True, timeout=600.0)
+        if shared is None:  # the first on the machine, or the owner died before publishing
+            arena = HostArena(sizes, pin=True)
+            ...  # load the base into it
+            arena_claim.publish(arena, {"fingerprint": fingerprint})
+        else:
+            arena, meta = shared  # check `meta` names the same base and layout
+        ...  # train; the owner serves late-comers until the claim is released
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from lightning_blockwise.residency.arena import HostArena, meminfo_bytes
+
+# The length of the JSON header that precedes it, in every message an owner sends.
+_LENGTH = struct.Struct("!Q")
+
+# `SO_PEERCRED`'s answer: the pid, uid and gid of the process at the other end of a Unix socket.
+_PEER_CREDENTIALS = struct.Struct("3i")
+
+# How long a peer waits before it connects again when nobody listens on the address yet.
+_RETRY_INTERVAL_S = 0.02
+
+
+# NOTE [ One host copy per machine ]
+# Every process that trains the same base on one machine (data-parallel ranks, concurrent jobs) reads
+# the same frozen bytes, 36 GB at 72B. One process loads them; the others map its pages.
+#
+# Why a memfd handed over a socket, not a named POSIX segment: a segment in /dev/shm outlives every
+# process that used it. After a SIGKILL (the OOM killer, a scheduler's preemption) nobody unlinks it and
+# its 36 GB stay in RAM until someone finds them. The arena's memfd has no name (NOTE [ Arena memory in a
+# memfd ] in residency/arena.py): its pages are freed with the last fd and the last mapping, however the
+# processes ended. Without a name, the fd reaches other processes over a Unix socket (`socket.send_fds`,
+# SCM_RIGHTS). The socket's address is in Linux's abstract namespace, which holds no file and forgets the
+# address when its process exits, and `bind` to it is atomic: binding elects the one owner of a key on
+# the machine (of a network namespace: containers that do not share one each load their own copy).
+#
+# Waiting for the owner: it listens from the moment it binds, so peers that connect while it still loads
+# wait in its backlog until `publish` serves them. If the owner dies first, their connections reset; each
+# peer then tries to bind the address once, so one of them becomes the owner (and loads the base) and the
+# others wait for it. A second owner lost the same way is an error: loading is failing, not racing.
+#
+# Read-only in peers: a peer maps the pages `PROT_READ` and page-locks them with
+# `cudaHostRegisterReadOnly`, so a stray write kills that process with SIGSEGV instead of silently
+# changing the weights of every job on the machine. The owner keeps the writable mapping it loaded
+# through. The pages are not sealed against writes (`F_SEAL_FUTURE_WRITE` needs Linux 5.1, and processes
+# of the same user can write each other's memory anyway); their size is sealed, so no peer can make the
+# others' reads fault. Only processes of the same user are served, and a peer only accepts memory from one
+# (`SO_PEERCRED`, both ways); the uid is in the address too, so users never contend for one.
+#
+# The owner exits first: peers keep reading their mappings (the pages live until the last mapping goes),
+# but the address is gone with the owner, so a process that claims the key afterwards becomes the owner
+# and loads a copy of its own. The machine holds two copies until the older peers finish.
+
+
+def socket_address(key: str) -> str:
+    """The abstract Unix socket address of ``key`` for this user (a leading NUL: no file behind it)."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return f"\0lightning-blockwise/{os.getuid()}/{digest}"
+
+
+def shmem_bytes() -> int:
+    """Bytes of shared memory on the machine (``Shmem`` in ``/proc/meminfo``): where shared arenas are counted.
+
+    Raises:
+        RuntimeError: If ``/proc/meminfo`` has no ``Shmem`` line (not Linux).
+    """
+    shmem = meminfo_bytes("Shmem")
+    if shmem is None:
+        raise RuntimeError("shmem_bytes: /proc/meminfo has no `Shmem:` line; shared arenas need Linux.")
+    return shmem
+
+
+def claim(key: str) -> ArenaClaim:
+    """Claim the host copy named ``key`` on this machine: own it (load and publish it) or attach to it.
+
+    See NOTE [ One host copy per machine ]. Exactly one process of this user holds a key's claim as
+    ``owner`` at a time.
+
+    Args:
+        key: What identifies the arena's contents (e.g. the base's fingerprint and the block layout).
+
+    Raises:
+        ValueError: If ``key`` is empty.
+    """
+    if not key:
+        raise ValueError("shared_arena.claim: `key` is empty; name the base and layout the arena holds.")
+    return ArenaClaim(key)
+
+
+class ArenaClaim:
+    """One process's claim on a shared host copy: the owner publishes its arena, the others attach to it.
+
+    Use :func:`claim` to make one. Releasing the claim (:meth:`release`, or leaving its ``with``
+    block) stops the owner serving; arenas already attached stay mapped.
+
+    Attributes:
+        key: The key claimed.
+        address: Its abstract socket address (:func:`socket_address`).
+        owner: Whether this process owns the key: it builds the arena and calls :meth:`publish`.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.address = socket_address(key)
+        self._listener = self._bind()
+        self.owner = self._listener is not None
+        self._arena: HostArena | None = None
+        self._server: threading.Thread | None = None
+
+    def publish(self, arena: HostArena, meta: dict[str, Any]) -> None:
+        """Serve ``arena`` to every process that attaches, from a daemon thread, until :meth:`release`.
+
+        Args:
+            arena: The loaded arena; the claim keeps it alive while it serves.
+            meta: What peers receive with it to check it is the base and layout they expect (JSON).
+
+        Raises:
+            RuntimeError: If this process does not own the key, or already published or released it.
+            ValueError: If ``arena`` cannot be shared (no memfd), or ``meta`` is not JSON.
+        """
+        if not self.owner:
+            raise RuntimeError(
+                f"ArenaClaim.publish: this process does not hold the claim on {self.key!r}; only the owner"
+                " publishes, peers call `attach`."
+            )
+        if self._listener is None:
+            raise RuntimeError(f"ArenaClaim.publish: the claim on {self.key!r} was released; claim the key again.")
+        if self._server is not None:
+            raise RuntimeError(f"ArenaClaim.publish: the arena of {self.key!r} is already published.")
+        if arena.fd is None:
+            raise ValueError(
+                "ArenaClaim.publish: this arena cannot be shared: it was allocated without `os.memfd_create`"
+                " (not Linux) or mapped from another process."
+            )
+        header = {"sizes": [slab.numel() for slab in arena.slabs], "meta": meta}
+        try:
+            body = json.dumps(header).encode()
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"ArenaClaim.publish: `meta` must be JSON: {error}.") from error
+        self._arena = arena
+        self._server = threading.Thread(
+            target=self._serve,
+            args=(self._listener, arena.fd, _LENGTH.pack(len(body)) + body),
+            name=f"lightning-blockwise arena {self.key}",
+            daemon=True,
+        )
+        self._server.start()
+
+    def attach(self, pin: bool, timeout: float) -> tuple[HostArena, dict[str, Any]] | None:
+        """Map the owner's arena read-only, waiting until it is published.
+
+        Returns ``None`` when the owner died before publishing and this claim took its place
+        (``owner`` is now ``True``): build the arena and :meth:`publish` it.
+
+        Args:
+            pin: Page-lock the mapping for copies to a CUDA device (``cudaHostRegisterReadOnly``).
+            timeout: Seconds to wait for the owner to publish (it may be loading a large base).
+
+        Returns:
+            The arena and the ``meta`` the owner published with it (through JSON), or ``None``.
+
+        Raises:
+            ValueError: If ``timeout`` is not positive.
+            RuntimeError: If this process owns the key, two owners died before publishing, the address
+                is held by another user's process, or CUDA refuses to page-lock the mapping.
+            TimeoutError: If the owner has not published within ``timeout`` seconds.
+        """
+        if timeout <= 0:
+            raise ValueError(f"ArenaClaim.attach(timeout={timeout}): the wait for the owner must be positive.")
+        if self.owner:
+            raise RuntimeError(
+                f"ArenaClaim.attach: this process owns {self.key!r}; build the arena, load it and `publish` it."
+            )
+        deadline = time.monotonic() + timeout
+        owners_lost = 0
+        while True:
+            connection = self._connect(deadline, timeout)
+            if connection is None:
+                # Nobody listens: the owner is gone, or it has bound the address and not listened yet.
+                if self._take_over():
+                    return None
+                time.sleep(_RETRY_INTERVAL_S)
+                continue
+            with connection:
+                received = self._receive(connection, deadline, timeout)
+            if received is None:
+                # NOTE [ One host copy per machine ]: the owner died before publishing.
+                owners_lost += 1
+                if owners_lost > 1:
+                    raise RuntimeError(
+                        f"shared_arena: two processes that owned the host copy {self.key!r} exited before"
+                        " publishing it: loading the base fails there. Read their errors, fix the cause and run again."
+                    )
+                if self._take_over():
+                    return None
+                continue
+            header, fd = received
+            try:
+                arena = HostArena.from_shared(fd, header["sizes"], pin=pin)
+            finally:
+                os.close(fd)  # the mapping holds the pages from here on
+            return arena, header["meta"]
+
+    def release(self) -> None:
+        """Stop serving the arena and free the address (a later claim of the key becomes its owner)."""
+        if self._listener is None:
+            return
+        listener, self._listener = self._listener, None
+        # On Linux, shutting a listening socket down wakes the `accept` blocked in the serving thread.
+        listener.shutdown(socket.SHUT_RDWR)
+        if self._server is not None:
+            self._server.join()
+        listener.close()
+        self._arena = None
+
+    def __enter__(self) -> ArenaClaim:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def _bind(self) -> socket.socket | None:
+        """Listen on the key's address if no process does (this process becomes the owner), else ``None``."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.address)
+        except OSError as error:
+            listener.close()
+            if error.errno == errno.EADDRINUSE:
+                return None
+            raise
+        # Listening before the arena exists lets peers wait in the backlog while the owner loads.
+        listener.listen(socket.SOMAXCONN)
+        return listener
+
+    def _take_over(self) -> bool:
+        """Become the owner if the address is free (the owner is gone); whether this claim did."""
+        listener = self._bind()
+        if listener is None:
+            return False
+        self._listener = listener
+        self.owner = True
+        return True
+
+    def _connect(self, deadline: float, timeout: float) -> socket.socket | None:
+        """A connection to the owner of the address, or ``None`` if no process listens on it."""
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.settimeout(self._remaining(deadline, timeout, owner_pid=None))
+            connection.connect(self.address)
+        except ConnectionRefusedError:
+            connection.close()
+            return None
+        except TimeoutError:
+            connection.close()
+            raise self._timeout_error(timeout, owner_pid=None) from None
+        except BaseException:
+            connection.close()
+            raise
+        pid, uid = _peer(connection)
+        if uid != os.getuid():
+            connection.close()
+            raise RuntimeError(
+                f"shared_arena: the address of {self.key!r} is held by process {pid} of user {uid}, not by a"
+                " process of this user; refusing its memory. Stop that process, or use another key."
+            )
+        return connection
+
+    def _receive(self, connection: socket.socket, deadline: float, timeout: float) -> tuple[dict[str, Any], int] | None:
+        """The owner's header and memfd, or ``None`` if the owner closed the connection without sending them."""
+        owner_pid, _ = _peer(connection)
+        connection.settimeout(self._remaining(deadline, timeout, owner_pid))
+        try:
+            data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1, socket.MSG_CMSG_CLOEXEC)
+            if not data or not fds:
+                for fd in fds:
+                    os.close(fd)
+                return None
+            fd = fds[0]
+            # The header may arrive in more than one piece (the owner sends nothing after it).
+            while not _complete(data):
+                chunk = connection.recv(1 << 16)
+                if not chunk:
+                    os.close(fd)
+                    return None
+                data += chunk
+        except TimeoutError:
+            raise self._timeout_error(timeout, owner_pid) from None
+        except ConnectionError:
+            return None
+        return json.loads(data[_LENGTH.size :]), fd
+
+    def _remaining(self, deadline: float, timeout: float, owner_pid: int | None) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timeout_error(timeout, owner_pid)
+        return remaining
+
+    def _timeout_error(self, timeout: float, owner_pid: int | None) -> TimeoutError:
+        owner = f"its owner, process {owner_pid}," if owner_pid is not None else "no process"
+        return TimeoutError(
+            f"shared_arena: {owner} has not published the host copy {self.key!r} within {timeout:g} s."
+            " If the owner is still loading the base, wait longer (a larger `timeout`); if it is stuck, stop it"
+            " and run again: the first process to claim the key then loads it."
+        )
+
+    def _serve(self, listener: socket.socket, fd: int, message: bytes) -> None:
+        """Send every peer that connects the arena's memfd with ``message``, until :meth:`release`."""
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return  # `release` shut the listener down
+            with connection:
+                try:
+                    _, uid = _peer(connection)
+                    if uid != os.getuid():
+                        continue  # NOTE [ One host copy per machine ]: only this user's processes are served
+                    sent = socket.send_fds(connection, [message], [fd])
+                    connection.sendall(message[sent:])
+                except OSError:
+                    continue  # that peer left (timed out, or died) before it was served; serve the others
+
+
+def _complete(message: bytes) -> bool:
+    """Whether ``message`` holds its length and the whole JSON header that length announces."""
+    return len(message) >= _LENGTH.size and len(message) >= _LENGTH.size + _LENGTH.unpack_from(message)[0]
+
+
+def _peer(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket connection."""
+    pid, uid, _ = _PEER_CREDENTIALS.unpack(
+        connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
+    )
+    return pid, uid
