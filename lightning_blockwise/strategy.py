@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,17 +35,17 @@ from lightning_blockwise.options import (
     refuse_compiled,
     refuse_cpu_eval_mode_4bit,
 )
-from lightning_blockwise.planning import BlockPlan, ResidencyPlan
+from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency import placement
-from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy
-from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
-from lightning_blockwise.step_budget import DEFAULT_TOKENS, StepBudget, StepPlan, declared_tokens, reference_headroom
+from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.step_budget import DEFAULT_TOKENS, StepBudget, declared_tokens
 from lightning_blockwise.step_planner import StepPlanner, budget_errors
+from lightning_blockwise.strategy_queries import BlockwiseQueries
 from lightning_blockwise.streamed_stack import StreamedStack
 
 
-class BlockwiseStrategy(DataParallelStrategy):
+class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
     """Train PEFT adapters on a frozen Hugging Face decoder stack that is rematerialized layer by layer.
 
     After the usual single-device setup the strategy finds the decoder layers of the Hugging Face model inside
@@ -185,26 +184,6 @@ class BlockwiseStrategy(DataParallelStrategy):
         self._layers.install()
         rank_zero_info(f"BlockwiseStrategy: {self._layers.describe(stack.model_type)}; {self._planner.describe()}.")
 
-    @property
-    def streamer(self) -> BlockStreamer | None:
-        """The streamer feeding the decoder layers now (replaced at times: :meth:`set_observer`)."""
-        return None if self._layers is None else self._layers.streamer
-
-    @property
-    def layers(self) -> list[torch.nn.Module]:
-        """The rematerialized decoder layers, in order (empty before setup and after teardown)."""
-        return [] if self._layers is None else self._layers.layers
-
-    @property
-    def activation_offload(self) -> ActivationOffload | None:
-        """Where layer inputs wait for the backward when offloaded (NOTE [ Layer-input offload ]), else ``None``."""
-        return None if self._layers is None else self._layers.offload
-
-    @property
-    def host_copy(self) -> HostCopy | None:
-        """The module's host arena and block layouts (kept after teardown: the arena lives with the module)."""
-        return self._host_copy
-
     @override
     def model_to_device(self) -> None:
         """Bind the decoder layers' frozen tensors to the host arena and move the rest to the device."""
@@ -248,16 +227,6 @@ class BlockwiseStrategy(DataParallelStrategy):
     def _budget_owner(self) -> str:
         return f"`BlockwiseStrategy(vram_budget={self.vram_budget})`"
 
-    @property
-    def step_plan(self) -> StepPlan | None:
-        """The plan of a training step for the longest micro-batch planned for so far (``None`` before setup)."""
-        return None if self._planner is None else self._planner.plan
-
-    @property
-    def residency_plan(self) -> ResidencyPlan | None:
-        """Which blocks stay resident and the predicted peak, for the longest micro-batch planned for so far."""
-        return None if self.step_plan is None else self.step_plan.residency
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self._planner is not None:
@@ -266,90 +235,6 @@ class BlockwiseStrategy(DataParallelStrategy):
             if replanned is not None:
                 rank_zero_info(f"BlockwiseStrategy: {replanned}.")
         return super().training_step(*args, **kwargs)
-
-    def resident_prefix_bytes(self, num_blocks: int) -> int:
-        """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
-
-        The slabs of those blocks not resident already plus one layer's autograd graph per layer at the planned
-        tokens (:meth:`~lightning_blockwise.streamed_stack.StreamedStack.prefix_bytes`), in the planner's terms.
-
-        Args:
-            num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
-        """
-        assert self._planner is not None
-        return self._planner.resident_prefix_bytes(num_blocks)
-
-    def reference_headroom(self) -> int | None:
-        """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
-
-        What ``vram_budget``, the free device memory and a per-process cap leave
-        (:func:`~lightning_blockwise.step_budget.reference_headroom`). Compare it with
-        :meth:`resident_prefix_bytes` to see how many blocks fit.
-        """
-        assert self.residency_plan is not None
-        return reference_headroom(self.root_device, self.vram_budget, self.residency_plan.predicted_peak)
-
-    @property
-    def observer(self) -> StreamObserver:
-        """What every streamer of this strategy reports its copies, waits and layer runs to (:meth:`set_observer`)."""
-        return self._observer
-
-    def set_observer(self, observer: StreamObserver | None) -> None:
-        """Hand ``observer`` to the current streamer and to every streamer the strategy builds later.
-
-        The strategy replaces its streamer at times (:meth:`resident_prefix`, loading a checkpoint with the frozen
-        base); each new one reports to the observer set here, so it is set once (NOTE [ Stream observer ] in
-        residency/streamer.py).
-
-        Args:
-            observer: The observer, or ``None`` for the no-op
-                :class:`~lightning_blockwise.residency.streamer.StreamObserver`.
-
-        Example::
-
-            strategy.set_observer(trace)  # in on_train_start
-            strategy.set_observer(None)  # in on_train_end
-        """
-        self._observer = StreamObserver() if observer is None else observer
-        if self._layers is not None:
-            self._layers.set_observer(self._observer)
-
-    @contextmanager
-    def resident_prefix(self, num_blocks: int) -> Iterator[None]:
-        """Run the layers of the first ``num_blocks`` blocks the resident way while the context is open.
-
-        Inside, those layers have their own forward back (plain autograd, no recompute) and read their frozen
-        tensors from device copies of their host slabs; the other layers stay rematerialized and streamed.
-        ``num_blocks=plan.num_blocks`` is resident training of the whole stack. On exit a fresh streamer of the
-        run's residency plan takes over, reporting to :attr:`observer` (NOTE [ Resident prefix ] in
-        streamed_stack.py); the host arena is never written, so what the run computes afterwards is unchanged.
-
-        Args:
-            num_blocks: Leading blocks to run resident, from ``0`` to ``plan.num_blocks``.
-
-        Raises:
-            ValueError: If ``num_blocks`` is out of range.
-
-        Example::
-
-            with strategy.resident_prefix(strategy.plan.num_blocks):
-                loss = module.training_step(batch, 0)  # as under strategy="auto"
-                loss.backward()
-        """
-        assert self._layers is not None
-        # NOTE [ Resident prefix ] in streamed_stack.py.
-        with self._layers.resident_prefix(num_blocks):
-            yield
-
-    @contextmanager
-    def all_rematerialized(self) -> Iterator[None]:
-        """Rematerialize every layer while the context is open, those of blocks that keep their activations too.
-
-        What ``ParityCheck``'s blockwise arm runs (NOTE [ Kept activations ] in planning/memory.py).
-        """
-        assert self._layers is not None
-        with self._layers.all_rematerialized():
-            yield
 
     @property
     @override
