@@ -87,7 +87,12 @@ class CheckpointHooks:
         checkpoint[CHECKPOINT_KEY] = meta
 
     def load(
-        self, module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, layers: StreamedStack | None
+        self,
+        module: nn.Module,
+        checkpoint: Mapping[str, Any],
+        strict: bool,
+        layers: StreamedStack | None,
+        read_only: bool = False,
     ) -> None:
         """Load a lean or full checkpoint into the set-up ``module``; refuse one of another base.
 
@@ -100,12 +105,20 @@ class CheckpointHooks:
             checkpoint: Lightning's checkpoint.
             strict: Refuse keys the module does not have or lacks.
             layers: The streamed decoder layers, whose resident blocks copy a loaded base again.
+            read_only: The host arena is another process's, mapped read-only.
 
         Raises:
             MisconfigurationException: If the checkpoint was written over another base, lacks trainable
-                parameters, or (with ``strict``) has keys the module does not or lacks others.
+                parameters, or (with ``strict``) has keys the module does not or lacks others; or carries the
+                base while the host arena is read-only.
         """
         assert self.base is not None
+        if read_only and self.base.has_base(checkpoint.get("state_dict", {})):
+            raise MisconfigurationException(
+                f"{self.owner}: this checkpoint carries the frozen base, to be written into the host copy, but this"
+                " process maps another process's copy read-only (`load_blockwise(share=True)`, NOTE [ One host copy"
+                " per machine ]). Load the model with `load_blockwise(..., share=False)` to resume from it."
+            )
         try:
             state, has_base = self.base.take_checkpoint(checkpoint)
         except ValueError as error:

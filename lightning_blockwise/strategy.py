@@ -278,7 +278,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         if self._checkpoints.base is None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers)
+        read_only = self._host_copy is not None and self._host_copy.arena.read_only
+        self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers, read_only)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._checkpoints.resume_rng(checkpoint, self.global_rank, self.world_size)
 

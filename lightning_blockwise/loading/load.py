@@ -30,10 +30,18 @@ from lightning_blockwise.compat.bitsandbytes import is_4bit_weight
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
 from lightning_blockwise.loading.meta_model import build_meta_model, check_keys, load_rest, named_tensors, set_tensor
 from lightning_blockwise.loading.nf4 import deserialize_weight, quantize_weight
-from lightning_blockwise.loading.packing import block_ranges, pack_block, predict_block_bytes, predict_slabs
+from lightning_blockwise.loading.packing import (
+    bind_shared_block,
+    block_ranges,
+    pack_block,
+    predict_block_bytes,
+    predict_slabs,
+)
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
+from lightning_blockwise.loading.sharing import SHARE_TIMEOUT_S, claim_load, share_key
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.placement import HostCopy, attach_host_copy
+from lightning_blockwise.residency.shared_arena import ArenaClaim
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,7 @@ def load_blockwise(
     block_size: int = 1,
     quantization_config: BitsAndBytesConfig | None = None,
     progress: bool = True,
+    share: bool = True,
 ) -> PreTrainedModel:
     """Load a local causal-LM checkpoint as NF4, its decoder layers straight into a host arena.
 
@@ -73,6 +82,11 @@ def load_blockwise(
             ``compute_dtype``. Ignored (but checked) for a pre-quantized checkpoint, whose own
             settings apply.
         progress: Show a progress bar over the layers (bytes and ETA).
+        share: Share the host copy with the other processes of this user on the machine that load the same
+            checkpoint with the same settings (data-parallel ranks, concurrent jobs): the first one loads it into
+            the arena, the others wait for it, load block by block to check the bytes, and map its pages
+            read-only instead of keeping copies of their own (NOTE [ One host copy per machine ] in
+            residency/shared_arena.py). Linux only; elsewhere every process keeps its own copy.
 
     Returns:
         The model, in train mode, with ``is_loaded_in_4bit`` set.
@@ -98,7 +112,7 @@ def load_blockwise(
     # (the non-layer modules, computed buffers such as rotary frequencies, the arena) is host memory, whatever
     # the caller's default device.
     with torch.device("cpu"):
-        return _load_blockwise(Path(path), compute_dtype, device, block_size, quantization_config, progress)
+        return _load_blockwise(Path(path), compute_dtype, device, block_size, quantization_config, progress, share)
 
 
 def _load_blockwise(
@@ -108,6 +122,7 @@ def _load_blockwise(
     block_size: int,
     quantization_config: BitsAndBytesConfig | None,
     progress: bool,
+    share: bool,
 ) -> PreTrainedModel:
     start = time.perf_counter()
     if block_size < 1:
@@ -125,25 +140,43 @@ def _load_blockwise(
 
     model, layers, prefixes = build_meta_model(config, bnb_config, compute_dtype)
     ranges = block_ranges(len(layers), block_size)
-    # Refused from config.json alone, before any shard is opened.
-    sizes, predicted = predict_slabs(path, layers, ranges)
+    files = checkpoint_files(path)
+    share_claim = claim_load(
+        share_key(path, files.values(), block_size, bnb_config, compute_dtype, pre_quantized), share
+    )
+    shared = None
+    if share_claim is not None and not share_claim.owner:
+        # NOTE [ One host copy per machine ]: wait for the owner's copy (None: it died first, this process loads).
+        attached = share_claim.attach(pin=device.type == "cuda", timeout=SHARE_TIMEOUT_S)
+        shared = None if attached is None else attached[0]
+    # Refused from config.json alone, before any shard is opened; a copy another process holds counts once.
+    sizes, predicted = predict_slabs(path, layers, ranges, check_ram=shared is None)
 
-    with open_checkpoint(checkpoint_files(path)) as keys:
+    with open_checkpoint(files) as keys:
         check_keys(model, keys, prefixes, pre_quantized)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         load_rest(model, keys, prefixes, compute_dtype)
-        host = HostArena(sizes, pin=device.type == "cuda")
+        host = shared if shared is not None else HostArena(sizes, pin=device.type == "cuda")
+        if [slab.numel() for slab in host.slabs] != sizes:
+            raise RuntimeError(f"load_blockwise: the shared host copy of `{path}` has other block sizes; a bug.")
         layouts = []
         bar = tqdm(total=predicted, unit="B", unit_scale=True, desc="load_blockwise", disable=not progress)
         for layer_range, slab in zip(ranges, host.slabs, strict=True):
             for index in layer_range:
                 _load_layer(layers[index], prefixes[index], keys, device, compute_dtype, pre_quantized)
                 bar.update(predict_block_bytes([layers[index]]))
-            layouts.append(pack_block(layers, layer_range, slab))
+            bind_or_pack = bind_shared_block if shared is not None else pack_block
+            layouts.append(bind_or_pack(layers, layer_range, slab))
         bar.close()
 
-    attach_host_copy(model, HostCopy(layer_ranges=ranges, layouts=tuple(layouts), arena=host, block_size=block_size))
+    owner = share_claim if share_claim is not None and share_claim.owner else None
+    if owner is not None:
+        owner.publish(host, {"path": str(path), "blocks": len(ranges)})
+    elif share_claim is not None:
+        share_claim.release()
+    copy = HostCopy(layer_ranges=ranges, layouts=tuple(layouts), arena=host, block_size=block_size, serving=owner)
+    attach_host_copy(model, copy)
     model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
     model.config.quantization_config = bnb_config
     model.train()
@@ -151,10 +184,17 @@ def _load_blockwise(
     log.info(
         f"load_blockwise: {len(layers)} layers of `{path}` in {time.perf_counter() - start:.1f} s; host arena"
         f" {host.nbytes / 1e9:.3f} GB ({host.bytes_needed / 1e9:.3f} GB needed, {len(ranges)} blocks of"
-        f" {block_size}, pinned={host.pinned}); {'device' if device.type == 'cuda' else 'no device'} load peak"
+        f" {block_size}, pinned={host.pinned}, {_sharing(share_claim, shared)});"
+        f" {'device' if device.type == 'cuda' else 'no device'} load peak"
         f" {peak / 1e9:.3f} GB allocated on {device}."
     )
     return model
+
+
+def _sharing(share_claim: ArenaClaim | None, shared: HostArena | None) -> str:
+    if share_claim is None:
+        return "not shared"
+    return "mapped read-only from another process" if shared is not None else "shared with other processes"
 
 
 def _default_device() -> torch.device:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
@@ -35,13 +36,16 @@ def predict_block_bytes(layers: Sequence[nn.Module], alignment: int = ALIGNMENT)
     return tensor_offsets((tensor.nbytes for tensor in frozen_tensors(layers)), alignment)[-1]
 
 
-def predict_slabs(path: Path, layers: nn.ModuleList, ranges: Sequence[range]) -> tuple[list[int], int]:
+def predict_slabs(
+    path: Path, layers: nn.ModuleList, ranges: Sequence[range], check_ram: bool = True
+) -> tuple[list[int], int]:
     """Each block's slab bytes and the arena's size, predicted from the meta model; refused if RAM is short.
 
     Args:
         path: The checkpoint directory, for the error message.
         layers: The meta model's decoder layers.
         ranges: The layer indices of each block.
+        check_ram: Refuse when the arena does not fit the host RAM (not for a copy another process holds).
 
     Raises:
         MisconfigurationException: If the arena does not fit the available host RAM.
@@ -50,7 +54,7 @@ def predict_slabs(path: Path, layers: nn.ModuleList, ranges: Sequence[range]) ->
     predicted = slab_offsets(sizes)[-1]
     # Read through the module, as the arena does, so that one stand-in for the host's memory serves both.
     available = arena_module.available_host_memory()
-    if predicted > available - arena_module.HOST_RAM_RESERVE:
+    if check_ram and predicted > available - arena_module.HOST_RAM_RESERVE:
         raise MisconfigurationException(
             f"load_blockwise: the NF4 decoder layers of `{path}` need a {predicted / 1e9:.2f} GB host arena (predicted"
             f" from config.json), but only {available / 1e9:.2f} GB of host RAM are available (keeping"
@@ -74,5 +78,27 @@ def pack_block(layers: nn.ModuleList, layer_range: range, slab: Tensor) -> Block
         )
     pack(layout, slab)
     # Binding drops the block's freshly loaded host tensors: memory holds the arena plus one block.
+    bind(layout, slab)
+    return layout
+
+
+def bind_shared_block(layers: nn.ModuleList, layer_range: range, slab: Tensor) -> BlockLayout:
+    """Bind one loaded block to its slab in another process's host copy, once its bytes are checked equal.
+
+    NOTE [ One host copy per machine ] in residency/shared_arena.py: the block is packed into a
+    buffer of its own first, and compared with the shared slab byte for byte.
+
+    Raises:
+        RuntimeError: If the block's bytes differ from the shared slab's (another base or settings).
+    """
+    layout = layout_block([layers[i] for i in layer_range], first_index=layer_range[0])
+    own = torch.zeros(layout.nbytes, dtype=torch.uint8)  # the alignment gaps as in a fresh (memfd) arena
+    pack(layout, own)
+    if own.numel() != slab.numel() or not torch.equal(own, slab):
+        raise RuntimeError(
+            f"load_blockwise: the block of layers {layer_range[0]}-{layer_range[-1]} loaded here differs from the host"
+            " copy another process shares under the same checkpoint and settings; the checkpoint may have changed"
+            " on disk while it loaded. Run again, or pass `share=False` to load a copy of this process's own."
+        )
     bind(layout, slab)
     return layout

@@ -22,6 +22,7 @@ from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.binding import bind, pack, unbound
 from lightning_blockwise.residency.layout import BlockLayout, layout_block
+from lightning_blockwise.residency.shared_arena import ArenaClaim
 
 # The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
 # as long as the model (NOTE [ Exact-size pinned memory ] in residency/arena.py). Read and written only by
@@ -38,12 +39,20 @@ class HostCopy:
         layouts: Each block's layout.
         arena: The host arena; ``arena.slabs[b]`` holds block ``b``.
         block_size: The decoder layers per block it was packed for (the last block may hold fewer).
+        serving: The claim through which this process serves the arena to others on the machine, while the copy
+            lives (``load_blockwise(share=True)``, NOTE [ One host copy per machine ] in shared_arena.py).
     """
 
     layer_ranges: tuple[range, ...]
     layouts: tuple[BlockLayout, ...]
     arena: HostArena
     block_size: int
+    serving: ArenaClaim | None = None
+
+    def __del__(self) -> None:
+        # The serving thread keeps the claim, and through it the arena, alive: stop it with the copy.
+        if self.serving is not None:
+            self.serving.release()
 
     def is_bound(self) -> bool:
         """Whether every block still reads from its slab (nothing moved the model since)."""

@@ -5,6 +5,7 @@ Every arm runs its ranks as separate processes (`tests/helpers/ddp_worker.py`), 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -106,3 +107,17 @@ def test_resume_on_two_ranks_is_exact(checkpoint: Path, tmp_path: Path) -> None:
     assert not torch.equal(whole[1].losses[4], control[1].losses[0])
     assert torch.equal(whole[0].losses[4], control[0].losses[0])
     assert runs_differ(tails[0], control[0]) and runs_differ(tails[1], control[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")
+def test_two_ranks_share_one_host_copy(checkpoint: Path, tmp_path: Path) -> None:
+    """Ranks that load with `load_blockwise` keep one host copy: one serves it, the other maps it read-only.
+
+    And training is unchanged: exact against `strategy="ddp"` over `from_pretrained` models (the same bytes).
+    """
+    shared = run_external(tmp_path / "shared", checkpoint, "blockwise", 2, "--load-blockwise")
+    ddp = run_external(tmp_path / "ddp", checkpoint, "ddp", 2)
+    for rank in range(2):
+        assert_equal_runs(ddp[rank], shared[rank])
+    roles = [json.loads((tmp_path / "shared" / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sorted((role["serving"], role["read_only"]) for role in roles) == [(False, True), (True, False)]

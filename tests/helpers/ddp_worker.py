@@ -17,11 +17,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+from peft import LoraConfig, get_peft_model
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
-from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import (
+    DEFAULT_TARGETS,
+    TARGETS,
     CausalLMModule,
     RunResult,
     build_model,
@@ -45,10 +49,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="train this many epochs of 2 steps (not max-steps)")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
     parser.add_argument("--drop-rank-rng", action="store_true", help="control: resume without the ranks' own RNG")
+    parser.add_argument("--load-blockwise", action="store_true", help="load the base with load_blockwise (shared)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    module = CausalLMModule(lambda: build_model("llama", args.checkpoint, quantized=True, lora_dropout=0.1))
+    build = (
+        (lambda: _load(args.checkpoint))
+        if args.load_blockwise
+        else (lambda: build_model("llama", args.checkpoint, quantized=True, lora_dropout=0.1))
+    )
+    module = CausalLMModule(build)
     if args.strategy == "blockwise":
         strategy = BlockwiseStrategy(ddp_kwargs=args.ddp_kwargs)
     else:
@@ -62,6 +72,25 @@ def main() -> None:
     else:
         result = _fit_epochs(module, strategy, args)
     torch.save(result, args.out / f"rank{module.trainer.global_rank}.pt")
+    copy = host_copy_of(module.model.get_base_model())
+    shared = {"read_only": copy is not None and copy.arena.read_only, "serving": copy is not None and copy.serving}
+    (args.out / f"rank{module.trainer.global_rank}.json").write_text(
+        json.dumps({k: bool(v) for k, v in shared.items()})
+    )
+
+
+def _load(checkpoint: Path) -> torch.nn.Module:
+    """What `build_model(..., quantized=True)` builds, its base loaded by `load_blockwise` (shared by the ranks)."""
+    torch.manual_seed(0)
+    model = load_blockwise(checkpoint, compute_dtype=torch.float32, device="cpu", progress=False)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.1,
+        target_modules=TARGETS.get("llama", DEFAULT_TARGETS),
+        init_lora_weights=False,
+    )
+    return get_peft_model(model, lora)
 
 
 class _RankSeed(Callback):

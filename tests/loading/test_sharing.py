@@ -1,0 +1,57 @@
+"""`load_blockwise(share=True)`: processes loading the same checkpoint the same way keep one host copy.
+
+NOTE [ One host copy per machine ] in residency/shared_arena.py. Each arm runs two processes
+(`tests/helpers/share_worker.py`): the first loads and holds its model; the second loads while it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.models import save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _two_loads(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict, dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "tests.helpers.share_worker", str(checkpoint)]
+    hold = tmp_path / "release"
+    first = subprocess.Popen([*command, str(tmp_path / "first.json"), "--hold", str(hold), *flags], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "first.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first load failed or hung"
+            time.sleep(0.05)
+        second = subprocess.run([*command, str(tmp_path / "second.json"), *flags], cwd=ROOT, env=env, timeout=120)
+        assert second.returncode == 0
+    finally:
+        hold.touch()
+        assert first.wait(timeout=60) == 0
+    return json.loads((tmp_path / "first.json").read_text()), json.loads((tmp_path / "second.json").read_text())
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")
+def test_a_second_load_maps_the_first_ones_copy(checkpoint: Path, tmp_path: Path) -> None:
+    """The second process maps the first one's arena read-only: same bytes, same logits; control: no sharing."""
+    first, second = _two_loads(checkpoint, tmp_path / "shared")
+    assert first["serving"] and not first["read_only"]
+    assert second["read_only"] and not second["serving"]
+    assert first["arena"] == second["arena"] and first["logits"] == second["logits"]
+    # Control: with share=False each process has a copy of its own (and the same bytes).
+    own_first, own_second = _two_loads(checkpoint, tmp_path / "own", "--no-share")
+    assert not own_first["serving"] and not own_second["read_only"]
+    assert own_second["arena"] == second["arena"] and own_second["logits"] == second["logits"]
