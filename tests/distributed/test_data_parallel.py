@@ -121,3 +121,14 @@ def test_two_ranks_share_one_host_copy(checkpoint: Path, tmp_path: Path) -> None
         assert_equal_runs(ddp[rank], shared[rank])
     roles = [json.loads((tmp_path / "shared" / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted((role["serving"], role["read_only"]) for role in roles) == [(False, True), (True, False)]
+
+
+def test_callbacks_on_two_ranks(checkpoint: Path, tmp_path: Path) -> None:
+    """`ParityCheck` passes on every rank (each checks its own first micro-batch, before DDP's reduction) and leaves
+    no trace; `BlockwiseProfiler` profiles every rank's own steps."""
+    checked = run_external(tmp_path / "checked", checkpoint, "blockwise", 2, "--callbacks")
+    plain = run_external(tmp_path / "plain", checkpoint, "blockwise", 2)
+    for rank in range(2):
+        assert_equal_runs(plain[rank], checked[rank])
+        record = json.loads((tmp_path / "checked" / f"callbacks{rank}.json").read_text())
+        assert record == {"passed": True, "profiled": True}

@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy, load_blockwise
+from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import (
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
     parser.add_argument("--drop-rank-rng", action="store_true", help="control: resume without the ranks' own RNG")
     parser.add_argument("--load-blockwise", action="store_true", help="load the base with load_blockwise (shared)")
+    parser.add_argument("--callbacks", action="store_true", help="ParityCheck and BlockwiseProfiler on every rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -67,8 +69,13 @@ def main() -> None:
     if args.epochs is None:
         # Every rank draws 2 micro-batches per optimizer step from its shard (Lightning's DistributedSampler).
         batches = padded_batches(args.devices * 2 * args.max_steps, seed=7)
+        callbacks = [ParityCheck(), BlockwiseProfiler()] if args.callbacks else []
         result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps,
-                     accumulate_grad_batches=2)  # fmt: skip
+                     accumulate_grad_batches=2, callbacks=callbacks)  # fmt: skip
+        if args.callbacks:
+            check = callbacks[0].result
+            record = {"passed": check is not None and check.passed, "profiled": bool(callbacks[1].summary)}
+            (args.out / f"callbacks{module.trainer.global_rank}.json").write_text(json.dumps(record))
     else:
         result = _fit_epochs(module, strategy, args)
     torch.save(result, args.out / f"rank{module.trainer.global_rank}.pt")

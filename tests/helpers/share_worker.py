@@ -26,9 +26,10 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--no-share", action="store_true")
     parser.add_argument("--hold", type=Path, default=None)
+    parser.add_argument("--device", default="cpu", help="where to quantize (cuda: the arena is page-locked)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = load_blockwise(args.checkpoint, compute_dtype=torch.float32, device="cpu", progress=False,
+    model = load_blockwise(args.checkpoint, compute_dtype=torch.float32, device=args.device, progress=False,
                            share=not args.no_share)  # fmt: skip
     copy = host_copy_of(model)
     assert copy is not None
@@ -37,6 +38,7 @@ def main() -> None:
         logits = model(input_ids=torch.arange(1, 13)[None]).logits
     report = {
         "read_only": copy.arena.read_only,
+        "pinned": copy.arena.pinned,
         "serving": copy.serving is not None,
         "arena": hashlib.sha256(copy.arena.storage.numpy().tobytes()).hexdigest(),
         "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
