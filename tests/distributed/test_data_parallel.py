@@ -121,6 +121,8 @@ def test_two_ranks_share_one_host_copy(checkpoint: Path, tmp_path: Path) -> None
         assert_equal_runs(ddp[rank], shared[rank])
     roles = [json.loads((tmp_path / "shared" / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted((role["serving"], role["read_only"]) for role in roles) == [(False, True), (True, False)]
+    # DDP broadcast nothing into the arena: its bytes are those loaded, in the rank that owns it too.
+    assert all(role["unchanged"] for role in roles)
 
 
 def test_callbacks_on_two_ranks(checkpoint: Path, tmp_path: Path) -> None:

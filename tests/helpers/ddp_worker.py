@@ -8,6 +8,7 @@ rank with ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``/``LOCAL_RANK``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -66,6 +67,7 @@ def main() -> None:
     else:
         strategy = DDPStrategy(**args.ddp_kwargs)
     args.out.mkdir(parents=True, exist_ok=True)
+    before = _arena_hash(module)
     if args.epochs is None:
         # Every rank draws 2 micro-batches per optimizer step from its shard (Lightning's DistributedSampler).
         batches = padded_batches(args.devices * 2 * args.max_steps, seed=7)
@@ -80,10 +82,15 @@ def main() -> None:
         result = _fit_epochs(module, strategy, args)
     torch.save(result, args.out / f"rank{module.trainer.global_rank}.pt")
     copy = host_copy_of(module.model.get_base_model())
-    shared = {"read_only": copy is not None and copy.arena.read_only, "serving": copy is not None and copy.serving}
-    (args.out / f"rank{module.trainer.global_rank}.json").write_text(
-        json.dumps({k: bool(v) for k, v in shared.items()})
-    )
+    shared = {"read_only": bool(copy and copy.arena.read_only), "serving": bool(copy and copy.serving)}
+    shared["unchanged"] = before is not None and _arena_hash(module) == before
+    (args.out / f"rank{module.trainer.global_rank}.json").write_text(json.dumps(shared))
+
+
+def _arena_hash(module: CausalLMModule) -> str | None:
+    """A hash of the host arena's bytes, when the module's base came with one (`load_blockwise`)."""
+    copy = host_copy_of(module.model.get_base_model())
+    return None if copy is None else hashlib.sha256(copy.arena.storage.numpy().tobytes()).hexdigest()
 
 
 def _load(checkpoint: Path) -> torch.nn.Module:
