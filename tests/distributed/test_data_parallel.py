@@ -38,7 +38,8 @@ def _worker(out: Path, checkpoint: Path, strategy: str, devices: int, *extra: st
 
 def _env(**variables: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **variables)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(variables)
     return env
 
 

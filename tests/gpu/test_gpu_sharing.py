@@ -40,7 +40,7 @@ def _module(checkpoint: Path, share: bool) -> CausalLMModule:
 def test_training_from_a_shared_read_only_copy_is_exact(small_llama_checkpoint: Path, tmp_path: Path) -> None:
     hold, report = tmp_path / "release", tmp_path / "owner.json"
     command = [sys.executable, "-m", "tests.helpers.share_worker", str(small_llama_checkpoint), str(report)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     owner = subprocess.Popen([*command, "--hold", str(hold), "--device", "cuda"], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 300

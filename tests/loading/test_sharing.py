@@ -27,7 +27,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _two_loads(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict, dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [sys.executable, "-m", "tests.helpers.share_worker", str(checkpoint)]
     hold = tmp_path / "release"
     first = subprocess.Popen([*command, str(tmp_path / "first.json"), "--hold", str(hold), *flags], cwd=ROOT, env=env)
