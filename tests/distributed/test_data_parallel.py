@@ -135,3 +135,21 @@ def test_callbacks_on_two_ranks(checkpoint: Path, tmp_path: Path) -> None:
         assert_equal_runs(plain[rank], checked[rank])
         record = json.loads((tmp_path / "checked" / f"callbacks{rank}.json").read_text())
         assert record == {"passed": True, "profiled": True}
+
+
+def test_lightnings_launcher_starts_the_other_rank(checkpoint: Path, tmp_path: Path) -> None:
+    """`python script.py` with `devices=2` (no launcher variables): Lightning starts rank 1 itself, as for `ddp`.
+
+    The run is the one torchrun-style processes give (that the comparison can fail, the controls above show).
+    """
+    launched = subprocess.run(
+        _worker(tmp_path / "lightning", checkpoint, "blockwise", 2),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        timeout=300,
+    )
+    assert launched.returncode == 0, launched.stdout.decode()[-4000:] + launched.stderr.decode()[-4000:]
+    external = run_external(tmp_path / "external", checkpoint, "blockwise", 2)
+    for rank in range(2):
+        assert_equal_runs(external[rank], torch.load(tmp_path / "lightning" / f"rank{rank}.pt", weights_only=False))
