@@ -82,6 +82,10 @@ def test_three_ranks_exact_against_ddp(checkpoint: Path, tmp_path: Path) -> None
     # Reduced gradients are the same on every rank, and not any one rank's own.
     for name, grad in blockwise[0].grads[0].items():
         assert torch.equal(grad, blockwise[2].grads[0][name])
+    # Control: without the reduction each rank steps on its own gradients, which differ (the ranks see other data).
+    local = run_external(tmp_path / "local", checkpoint, "blockwise", 3, "--no-reduce")
+    assert runs_differ(ddp[0], local[0])
+    assert any(not torch.equal(grad, local[1].grads[0][name]) for name, grad in local[0].grads[0].items())
     # Control: buckets of another layout sum in another order.
     other = run_external(tmp_path / "other", checkpoint, "ddp", 3, "--ddp-kwargs", '{"bucket_cap_mb": 0.0005}')
     assert runs_differ(ddp[0], other[0])
