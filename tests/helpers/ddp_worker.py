@@ -72,7 +72,7 @@ def main() -> None:
     if args.epochs is None:
         # Every rank draws 2 micro-batches per optimizer step from its shard (Lightning's DistributedSampler).
         batches = padded_batches(args.devices * 2 * args.max_steps, seed=7)
-        callbacks: list[Callback] = [ParityCheck(), BlockwiseProfiler()] if args.callbacks else []
+        callbacks: list[Callback] = [ParityCheck(), BlockwiseProfiler(dirpath=args.out)] if args.callbacks else []
         callbacks += [_NoReduce()] if args.no_reduce else []
         result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps,
                      accumulate_grad_batches=2, callbacks=callbacks)  # fmt: skip
