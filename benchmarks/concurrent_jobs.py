@@ -1,0 +1,183 @@
+"""Concurrent jobs on one GPU that share one host copy of the base: aggregate tokens/s, per-job VRAM, host memory.
+
+    python -m benchmarks.concurrent_jobs --shape 7b --jobs 1 2 3 --steps 10 --workdir /tmp/concurrent
+
+Writes a random-init bf16 checkpoint of the shape into ``--workdir`` once, then for each N in ``--jobs`` starts N
+job processes at once. Each loads the base with ``load_blockwise`` (the first to claim it loads the host copy, the
+others map it read-only: NOTE [ One host copy per machine ] in residency/shared_arena.py), adds LoRA r16 on the
+seven projections and trains through ``Trainer.fit`` under ``BlockwiseStrategy()`` (defaults, bf16-mixed, seq 512,
+batch 1, random tokens). The jobs wait for each other before their first step, so that their measured steps
+overlap. Each reports its median step time over ``--steps`` steps after 2 warm-up steps, its tokens/s, its
+``max_memory_reserved`` (the CUDA context, ~0.5 GB per process, comes on top), whether it maps another process's
+copy, and its ``Rss``/``Pss_Shmem`` from ``/proc/self/smaps_rollup``; the parent adds ``Shmem`` growth from
+``/proc/meminfo``. One JSON line per N is printed and appended to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import DataLoader
+
+from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule, StepTimer
+from lightning_blockwise import BlockwiseStrategy, load_blockwise
+from lightning_blockwise.residency.placement import host_copy_of
+from lightning_blockwise.residency.shared_arena import shmem_bytes
+
+SEQ = 512
+WARMUP = 2
+
+
+def _smaps_rollup() -> dict[str, int]:
+    """This process's ``/proc/self/smaps_rollup`` fields in bytes (Linux)."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as rollup:
+        for line in rollup:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields
+
+
+class _Rendezvous(pl.Callback):
+    """Before the first step: say ready, then wait until every job of the arm is (their steps overlap)."""
+
+    def __init__(self, folder: Path, index: int, jobs: int) -> None:
+        self.folder, self.index, self.jobs = folder, index, jobs
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.folder / f"ready{self.index}").touch()
+        while len(list(self.folder.glob("ready*"))) < self.jobs:
+            time.sleep(0.05)
+
+
+def run_job(checkpoint: Path, folder: Path, index: int, jobs: int, steps: int) -> None:
+    """One job: load (shared), train, write ``job{index}.json`` into ``folder``."""
+    start = time.perf_counter()
+    torch.manual_seed(index)
+    base = load_blockwise(checkpoint, compute_dtype=torch.bfloat16, progress=False)
+    loaded = time.perf_counter() - start
+    copy = host_copy_of(base)
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(index)
+    batches = [
+        {"input_ids": (ids := torch.randint(0, vocab, (1, SEQ), generator=generator)), "labels": ids.clone()}
+        for _ in range(WARMUP + steps)
+    ]
+    timer = StepTimer(WARMUP)
+    trainer = pl.Trainer(
+        strategy=BlockwiseStrategy(),
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=WARMUP + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[_Rendezvous(folder, index, jobs), timer],
+    )
+    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    step = statistics.median(timer.times)
+    rollup = _smaps_rollup()
+    report = {
+        "job": index,
+        "load_s": round(loaded, 1),
+        "maps_another_copy": bool(copy is not None and copy.arena.read_only),
+        "step_s": round(step, 4),
+        "tokens_per_s": round(SEQ / step, 1),
+        "max_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2),
+        "max_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+        "rss_gb": round(rollup.get("Rss", 0) / 1e9, 2),
+        "pss_shmem_gb": round(rollup.get("Pss_Shmem", 0) / 1e9, 2),
+    }
+    (folder / f"job{index}.json").write_text(json.dumps(report))
+
+
+def make_checkpoint(shape: str, path: Path) -> None:
+    """A random-init bf16 checkpoint of ``shape`` (seed 0), built on the GPU and saved once."""
+    if (path / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+
+
+def run_arm(checkpoint: Path, workdir: Path, jobs: int, steps: int) -> dict[str, Any]:
+    """``jobs`` job processes at once; their reports and the machine's ``Shmem`` growth."""
+    folder = workdir / f"arm{jobs}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.iterdir():
+        stale.unlink()
+    baseline = shmem_bytes()
+    command = [sys.executable, "-m", "benchmarks.concurrent_jobs", "--job", str(folder)]
+    command += ["--checkpoint", str(checkpoint)]
+    processes = [
+        subprocess.Popen([*command, "--index", str(index), "--jobs", str(jobs), "--steps", str(steps)])
+        for index in range(jobs)
+    ]
+    peak_shmem = 0
+    while any(process.poll() is None for process in processes):
+        peak_shmem = max(peak_shmem, shmem_bytes() - baseline)
+        time.sleep(0.2)
+    if any(process.returncode != 0 for process in processes):
+        raise RuntimeError(f"a job of the {jobs}-job arm failed: {[p.returncode for p in processes]}")
+    reports = [json.loads((folder / f"job{index}.json").read_text()) for index in range(jobs)]
+    return {
+        "jobs": jobs,
+        "aggregate_tokens_per_s": round(sum(r["tokens_per_s"] for r in reports), 1),
+        "shmem_growth_gb": round(peak_shmem / 1e9, 2),
+        "per_job": reports,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/concurrent_jobs"))
+    parser.add_argument("--out", type=Path, default=None)
+    # One job (started by the parent).
+    parser.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job is not None:
+        run_job(args.checkpoint, args.job, args.index, args.jobs[0], args.steps)
+        return
+    checkpoint = args.workdir / f"{args.shape}-bf16"
+    start = time.perf_counter()
+    make_checkpoint(args.shape, checkpoint)
+    print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.0f} s", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for jobs in args.jobs:
+        arm = run_arm(checkpoint, args.workdir, jobs, args.steps)
+        result = {"shape": args.shape, "seq": SEQ, "device": device, **arm}
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.out is not None:
+            with args.out.open("a") as out:
+                out.write(line + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
