@@ -140,10 +140,7 @@ def _load_blockwise(
 
     model, layers, prefixes = build_meta_model(config, bnb_config, compute_dtype)
     ranges = block_ranges(len(layers), block_size)
-    files = checkpoint_files(path)
-    share_claim = claim_load(
-        share_key(path, files.values(), block_size, bnb_config, compute_dtype, pre_quantized), share
-    )
+    share_claim = claim_load(share_key(path, block_size, bnb_config, compute_dtype, pre_quantized), share)
     shared = None
     if share_claim is not None and not share_claim.owner:
         # NOTE [ One host copy per machine ]: wait for the owner's copy (None: it died first, this process loads).
@@ -152,7 +149,7 @@ def _load_blockwise(
     # Refused from config.json alone, before any shard is opened; a copy another process holds counts once.
     sizes, predicted = predict_slabs(path, layers, ranges, check_ram=shared is None)
 
-    with open_checkpoint(files) as keys:
+    with open_checkpoint(checkpoint_files(path)) as keys:
         check_keys(model, keys, prefixes, pre_quantized)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

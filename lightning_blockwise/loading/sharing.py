@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+import weakref
 from pathlib import Path
 
 import torch
@@ -19,13 +19,14 @@ from lightning_blockwise.residency.shared_arena import ArenaClaim, claim
 #: How long a process waits for another one to finish loading the copy it shares (a 72B base loads in
 #: about 20 s from a warm page cache on the H100 machine; a cold disk takes minutes).
 SHARE_TIMEOUT_S = 3600.0
+#: The claims this process owns, while their copies live (a claim is released with its copy).
+_SERVED_HERE: weakref.WeakValueDictionary[str, ArenaClaim] = weakref.WeakValueDictionary()
 #: Bumped when what a shared copy holds changes, so that processes of two versions never share one.
 _LAYOUT_VERSION = 1
 
 
 def share_key(
     path: Path,
-    files: Iterable[Path],
     block_size: int,
     bnb_config: BitsAndBytesConfig,
     compute_dtype: torch.dtype,
@@ -34,11 +35,12 @@ def share_key(
     """What a load's host copy is shared under: the checkpoint (its files' sizes and times) and every setting.
 
     Two loads share a copy only if the same files, unchanged, load with the same block size, 4-bit settings and
-    dtype; ``bind_shared_block`` still compares every block's bytes.
+    dtype; ``bind_shared_block`` still compares every block's bytes. The files are listed, not opened: a load
+    that does not fit the host RAM is refused before any shard is read.
     """
     parts: list[object] = [_LAYOUT_VERSION, path.resolve(), block_size, compute_dtype, pre_quantized]
     parts.append(bnb_config.to_json_string(use_diff=False))
-    for file in sorted({Path(f).resolve() for f in files}):
+    for file in sorted(path.resolve().glob("*.safetensors*")):
         stat = file.stat()
         parts += [file, stat.st_size, stat.st_mtime_ns]
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
@@ -47,11 +49,16 @@ def share_key(
 def claim_load(key: str, share: bool) -> ArenaClaim | None:
     """This process's claim on the copy ``key`` names, or ``None`` when it keeps a copy of its own.
 
-    A copy is shared only where arenas live in a memfd (Linux) and ``share`` asks for it.
+    A copy is shared only where arenas live in a memfd (Linux) and ``share`` asks for it, and never with this
+    process itself: a second load of the same base in one process (a reference model, a test) gets a writable
+    copy of its own, as it always did.
     """
-    if not share or not hasattr(os, "memfd_create"):
+    if not share or not hasattr(os, "memfd_create") or key in _SERVED_HERE:
         return None
-    return claim(key)
+    taken = claim(key)
+    if taken.owner:
+        _SERVED_HERE[key] = taken
+    return taken
 
 
 __all__ = ["SHARE_TIMEOUT_S", "claim_load", "share_key"]
