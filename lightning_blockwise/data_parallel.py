@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -114,7 +115,14 @@ class DataParallelStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        # The Trainer calls this once the devices are known: the last moment before any process or model work.
         assert self.cluster_environment is not None
+        if self.is_distributed and self._process_group_backend == "nccl" and self.root_device.type != "cuda":
+            raise MisconfigurationException(
+                f"`{type(self).__name__}(process_group_backend='nccl')` with {self.root_device.type} devices: NCCL"
+                " reduces CUDA tensors only. Train on GPUs (`accelerator='gpu'`), or leave `process_group_backend`"
+                " unset (gloo on CPUs)."
+            )
         self._launcher = (
             _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             if self.is_distributed

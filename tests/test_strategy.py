@@ -316,3 +316,10 @@ def test_find_decoder_stack_on_a_bare_hugging_face_model() -> None:
     model = build_model("llama", peft=False)
     stack = find_decoder_stack(model)
     assert stack.model is model and stack.layers is model.model.layers
+
+
+def test_error_nccl_on_cpus_before_any_process_starts() -> None:
+    with pytest.raises(MisconfigurationException, match="NCCL reduces CUDA tensors only"):
+        trainer(BlockwiseStrategy(process_group_backend="nccl"), accelerator="cpu", devices=2)
+    # One process needs no process group, whatever the backend named.
+    assert trainer(BlockwiseStrategy(process_group_backend="nccl"), accelerator="cpu", devices=1).strategy

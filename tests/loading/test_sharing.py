@@ -14,7 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from lightning_blockwise import load_blockwise
+from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.loading.packing import bind_shared_block
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +61,17 @@ def test_a_second_load_maps_the_first_ones_copy(checkpoint: Path, tmp_path: Path
     own_first, own_second = _two_loads(checkpoint, tmp_path / "own", "--no-share")
     assert not own_first["serving"] and not own_second["read_only"]
     assert own_second["arena"] == second["arena"] and own_second["logits"] == second["logits"]
+
+
+def test_a_block_that_differs_from_the_shared_copy_is_refused(checkpoint: Path) -> None:
+    """`bind_shared_block` compares every block's bytes with the shared slab; one flipped byte is refused."""
+    model = load_blockwise(checkpoint, compute_dtype=torch.float32, device="cpu", progress=False, share=False)
+    copy = host_copy_of(model)
+    assert copy is not None
+    layers = find_decoder_stack(model, allow_unvalidated=True).layers
+    same = copy.arena.slabs[1].clone()
+    assert bind_shared_block(layers, copy.layer_ranges[1], same).nbytes == same.numel()  # equal bytes: bound
+    other = same.clone()
+    other[len(other) // 2] ^= 1
+    with pytest.raises(RuntimeError, match="differs from the host copy another process shares"):
+        bind_shared_block(layers, copy.layer_ranges[1], other)
