@@ -17,24 +17,15 @@ that claims the key attaches: it maps the owner's pages read-only instead of loa
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import os
 import socket
-import struct
 import threading
 import time
 from types import TracebackType
 from typing import Any
 
 from lightning_blockwise.residency.arena import HostArena, meminfo_bytes
-
-# The length of the JSON header that precedes it, in every message an owner sends.
-_LENGTH = struct.Struct("!Q")
-
-# `SO_PEERCRED`'s answer: the pid, uid and gid of the process at the other end of a Unix socket.
-_PEER_CREDENTIALS = struct.Struct("3i")
+from lightning_blockwise.residency.fd_socket import encode, listen, peer, receive, serve, socket_address
 
 # How long a peer waits before it connects again when nobody listens on the address yet.
 _RETRY_INTERVAL_S = 0.02
@@ -69,12 +60,6 @@ _RETRY_INTERVAL_S = 0.02
 # The owner exits first: peers keep reading their mappings (the pages live until the last mapping goes),
 # but the address is gone with the owner, so a process that claims the key afterwards becomes the owner
 # and loads a copy of its own. The machine holds two copies until the older peers finish.
-
-
-def socket_address(key: str) -> str:
-    """The abstract Unix socket address of ``key`` for this user (a leading NUL: no file behind it)."""
-    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return f"\0lightning-blockwise/{os.getuid()}/{digest}"
 
 
 def shmem_bytes() -> int:
@@ -153,13 +138,13 @@ class ArenaClaim:
             )
         header = {"sizes": [slab.numel() for slab in arena.slabs], "meta": meta}
         try:
-            body = json.dumps(header).encode()
+            message = encode(header)
         except (TypeError, ValueError) as error:
             raise ValueError(f"ArenaClaim.publish: `meta` must be JSON: {error}.") from error
         self._arena = arena
         self._server = threading.Thread(
-            target=self._serve,
-            args=(self._listener, arena.fd, _LENGTH.pack(len(body)) + body),
+            target=serve,
+            args=(self._listener, arena.fd, message),
             name=f"lightning-blockwise arena {self.key}",
             daemon=True,
         )
@@ -242,17 +227,7 @@ class ArenaClaim:
 
     def _bind(self) -> socket.socket | None:
         """Listen on the key's address if no process does (this process becomes the owner), else ``None``."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(self.address)
-        except OSError as error:
-            listener.close()
-            if error.errno == errno.EADDRINUSE:
-                return None
-            raise
-        # Listening before the arena exists lets peers wait in the backlog while the owner loads.
-        listener.listen(socket.SOMAXCONN)
-        return listener
+        return listen(self.address)
 
     def _take_over(self) -> bool:
         """Become the owner if the address is free (the owner is gone); whether this claim did."""
@@ -278,7 +253,7 @@ class ArenaClaim:
         except BaseException:
             connection.close()
             raise
-        pid, uid = _peer(connection)
+        pid, uid = peer(connection)
         if uid != os.getuid():
             connection.close()
             raise RuntimeError(
@@ -289,27 +264,12 @@ class ArenaClaim:
 
     def _receive(self, connection: socket.socket, deadline: float, timeout: float) -> tuple[dict[str, Any], int] | None:
         """The owner's header and memfd, or ``None`` if the owner closed the connection without sending them."""
-        owner_pid, _ = _peer(connection)
+        owner_pid, _ = peer(connection)
         connection.settimeout(self._remaining(deadline, timeout, owner_pid))
         try:
-            data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1, socket.MSG_CMSG_CLOEXEC)
-            if not data or not fds:
-                for fd in fds:
-                    os.close(fd)
-                return None
-            fd = fds[0]
-            # The header may arrive in more than one piece (the owner sends nothing after it).
-            while not _complete(data):
-                chunk = connection.recv(1 << 16)
-                if not chunk:
-                    os.close(fd)
-                    return None
-                data += chunk
+            return receive(connection)
         except TimeoutError:
             raise self._timeout_error(timeout, owner_pid) from None
-        except ConnectionError:
-            return None
-        return json.loads(data[_LENGTH.size :]), fd
 
     def _remaining(self, deadline: float, timeout: float, owner_pid: int | None) -> float:
         remaining = deadline - time.monotonic()
@@ -325,32 +285,5 @@ class ArenaClaim:
             " and run again: the first process to claim the key then loads it."
         )
 
-    def _serve(self, listener: socket.socket, fd: int, message: bytes) -> None:
-        """Send every peer that connects the arena's memfd with ``message``, until :meth:`release`."""
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return  # `release` shut the listener down
-            with connection:
-                try:
-                    _, uid = _peer(connection)
-                    if uid != os.getuid():
-                        continue  # NOTE [ One host copy per machine ]: only this user's processes are served
-                    sent = socket.send_fds(connection, [message], [fd])
-                    connection.sendall(message[sent:])
-                except OSError:
-                    continue  # that peer left (timed out, or died) before it was served; serve the others
 
-
-def _complete(message: bytes) -> bool:
-    """Whether ``message`` holds its length and the whole JSON header that length announces."""
-    return len(message) >= _LENGTH.size and len(message) >= _LENGTH.size + _LENGTH.unpack_from(message)[0]
-
-
-def _peer(connection: socket.socket) -> tuple[int, int]:
-    """The pid and uid of the process at the other end of a Unix socket connection."""
-    pid, uid, _ = _PEER_CREDENTIALS.unpack(
-        connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
-    )
-    return pid, uid
+__all__ = ["ArenaClaim", "claim", "shmem_bytes", "socket_address"]
