@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 from torch import nn
 
 from lightning_blockwise.architectures import DecoderStack
+from lightning_blockwise.checkpointing import base_fingerprint
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
 from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap
 from lightning_blockwise.residency import embedding
+from lightning_blockwise.residency.layout import BlockLayout
 from lightning_blockwise.residency.placement import move_rest_to_device
 from lightning_blockwise.step_budget import device_bytes
 from lightning_blockwise.step_planner import budget_errors
@@ -75,4 +81,27 @@ class ModulePlacement:
             self._memory_cap = None
 
 
-__all__ = ["ModulePlacement"]
+def shared_copy_key(
+    config: Any, share_host_copy: bool | None, distributed: bool
+) -> Callable[[Sequence[BlockLayout]], str | None]:
+    """What names a packed base for sharing its host copy (``BlockwiseStrategy(share_host_copy=...)``).
+
+    The base's fingerprint (NOTE [ Lean checkpoints ] in checkpointing.py: it covers random-init bases and a
+    checkpoint replaced at the same path), and, without the opt-in, this run's rendezvous address, so that
+    only the ranks of one run share; ``None`` where nothing is shared (one process, or ``False``). The
+    bytes are compared block by block anyway (:func:`~lightning_blockwise.residency.binding.bind_checked`).
+    """
+
+    def key(layouts: Sequence[BlockLayout]) -> str | None:
+        if share_host_copy is False or (share_host_copy is None and not distributed):
+            return None
+        tensors = [entry.bindings[0].current() for layout in layouts for entry in layout.entries]
+        fingerprint = base_fingerprint(config, tensors)
+        if share_host_copy:
+            return fingerprint
+        return f"{fingerprint}/run/{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+    return key
+
+
+__all__ = ["ModulePlacement", "shared_copy_key"]

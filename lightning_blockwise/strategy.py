@@ -25,7 +25,7 @@ from lightning_blockwise.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
 from lightning_blockwise.data_parallel import DataParallelStrategy
 from lightning_blockwise.device_memory import check_cap
-from lightning_blockwise.module_placement import ModulePlacement
+from lightning_blockwise.module_placement import ModulePlacement, shared_copy_key
 from lightning_blockwise.options import (
     budget_bytes,
     check_bool,
@@ -75,6 +75,10 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
             holds what training changes and a fingerprint of the base (NOTE [ Lean checkpoints ] in checkpointing.py).
+        share_host_copy: Share the host copy this run packs with the other processes of the machine that pack the
+            same base (NOTE [ One host copy per machine ] in residency/shared_arena.py): ``None`` (default) among
+            this run's ranks only when it has several, ``True`` with any process of this user (concurrent jobs on
+            one base), ``False`` never. A base loaded by ``load_blockwise`` comes shared already (its ``share``).
         accelerator: The accelerator (set by the Trainer).
         device: The one device to train on, for a strategy built by hand; with the strategy chosen by name
             (``Trainer(strategy="blockwise", accelerator="gpu", devices=N)``) the Trainer sets the devices.
@@ -111,6 +115,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         keep_activations: bool = True,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
+        share_host_copy: bool | None = None,
         accelerator: Accelerator | None = None,
         device: _DEVICE | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -156,6 +161,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         self._planner: StepPlanner | None = None
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
+        check_optional_bool("share_host_copy", share_host_copy)
+        self.share_host_copy = share_host_copy
         self.plan: BlockPlan | None = None
         self._observer = StreamObserver()
         self._stack: DecoderStack | None = None
@@ -189,7 +196,12 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         """Bind the decoder layers' frozen tensors to the host arena and move the rest to the device."""
         assert self._stack is not None and self.plan is not None
         device = self.root_device
-        self._host_copy = placement.host_copy(self._stack, self.plan, pin=device.type == "cuda")
+        self._host_copy = placement.host_copy(
+            self._stack,
+            self.plan,
+            pin=device.type == "cuda",
+            share_key=shared_copy_key(self._stack.model.config, self.share_host_copy, self.is_distributed),
+        )
         owner = self._budget_owner
         for change in self._placement.place(self.lightning_module, self._stack, device, self.vram_budget, owner):
             rank_zero_info(f"BlockwiseStrategy: {change}.")

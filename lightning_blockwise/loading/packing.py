@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_blockwise.residency import arena as arena_module
 from lightning_blockwise.residency.arena import slab_offsets
-from lightning_blockwise.residency.binding import bind, pack
+from lightning_blockwise.residency.binding import bind, bind_checked, pack
 from lightning_blockwise.residency.layout import ALIGNMENT, BlockLayout, frozen_tensors, layout_block, tensor_offsets
 
 
@@ -85,20 +84,19 @@ def pack_block(layers: nn.ModuleList, layer_range: range, slab: Tensor) -> Block
 def bind_shared_block(layers: nn.ModuleList, layer_range: range, slab: Tensor) -> BlockLayout:
     """Bind one loaded block to its slab in another process's host copy, once its bytes are checked equal.
 
-    NOTE [ One host copy per machine ] in residency/shared_arena.py: the block is packed into a
-    buffer of its own first, and compared with the shared slab byte for byte.
+    NOTE [ One host copy per machine ] in residency/shared_arena.py; the check is
+    :func:`~lightning_blockwise.residency.binding.bind_checked`.
 
     Raises:
         RuntimeError: If the block's bytes differ from the shared slab's (another base or settings).
     """
     layout = layout_block([layers[i] for i in layer_range], first_index=layer_range[0])
-    own = torch.zeros(layout.nbytes, dtype=torch.uint8)  # the alignment gaps as in a fresh (memfd) arena
-    pack(layout, own)
-    if own.numel() != slab.numel() or not torch.equal(own, slab):
+    try:
+        bind_checked(layout, slab)
+    except ValueError:
         raise RuntimeError(
             f"load_blockwise: the block of layers {layer_range[0]}-{layer_range[-1]} loaded here differs from the host"
             " copy another process shares under the same checkpoint and settings; the checkpoint may have changed"
             " on disk while it loaded. Run again, or pass `share=False` to load a copy of this process's own."
-        )
-    bind(layout, slab)
+        ) from None
     return layout

@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import weakref
 from pathlib import Path
 
 import torch
 from transformers import BitsAndBytesConfig
 
-from lightning_blockwise.residency.shared_arena import ArenaClaim, claim
+from lightning_blockwise.residency.shared_arena import SHARE_TIMEOUT_S, ArenaClaim, claim, owned_here
 
-#: How long a process waits for another one to finish loading the copy it shares (a 72B base loads in
-#: about 20 s from a warm page cache on the H100 machine; a cold disk takes minutes).
-SHARE_TIMEOUT_S = 3600.0
-#: The claims this process owns, while their copies live (a claim is released with its copy).
-_SERVED_HERE: weakref.WeakValueDictionary[str, ArenaClaim] = weakref.WeakValueDictionary()
 #: Bumped when what a shared copy holds changes, so that processes of two versions never share one.
 _LAYOUT_VERSION = 1
 
@@ -53,12 +47,9 @@ def claim_load(key: str, share: bool) -> ArenaClaim | None:
     process itself: a second load of the same base in one process (a reference model, a test) gets a writable
     copy of its own, as it always did.
     """
-    if not share or not hasattr(os, "memfd_create") or key in _SERVED_HERE:
+    if not share or not hasattr(os, "memfd_create") or owned_here(key):
         return None
-    taken = claim(key)
-    if taken.owner:
-        _SERVED_HERE[key] = taken
-    return taken
+    return claim(key)
 
 
 __all__ = ["SHARE_TIMEOUT_S", "claim_load", "share_key"]

@@ -161,6 +161,22 @@ def bind(layout: BlockLayout, slab: Tensor) -> None:
             binding.rebind(view)
 
 
+def bind_checked(layout: BlockLayout, slab: Tensor) -> None:
+    """:func:`bind` the block to a ``slab`` another process packed, once its bytes are checked equal to the block's.
+
+    NOTE [ One host copy per machine ] in shared_arena.py. The block is packed into a buffer of its own first
+    (zeros in the alignment gaps, as in a fresh arena) and compared byte for byte.
+
+    Raises:
+        ValueError: If the slab's bytes differ from the block's.
+    """
+    own = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    pack(layout, own)
+    if own.numel() != slab.numel() or not torch.equal(own, slab):
+        raise ValueError(f"{layout.entries[0].names[0]}...: the shared slab's bytes differ from this block's")
+    bind(layout, slab)
+
+
 def unbound(layout: BlockLayout, slab: Tensor) -> list[str]:
     """Names of the block's tensors that no longer read from their place in ``slab``.
 
@@ -182,4 +198,4 @@ def unbound(layout: BlockLayout, slab: Tensor) -> list[str]:
     return found
 
 
-__all__ = ["Binding", "BindingKind", "bind", "pack", "unbound", "views"]
+__all__ = ["Binding", "BindingKind", "bind", "bind_checked", "pack", "unbound", "views"]

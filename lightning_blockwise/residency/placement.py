@@ -10,6 +10,8 @@ compute device.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +22,9 @@ from lightning_blockwise.architectures import DecoderStack, adapter_parameters
 from lightning_blockwise.compat.bitsandbytes import move_code_tables
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.arena import HostArena
-from lightning_blockwise.residency.binding import bind, pack, unbound
+from lightning_blockwise.residency.binding import bind, bind_checked, pack, unbound
 from lightning_blockwise.residency.layout import BlockLayout, layout_block
-from lightning_blockwise.residency.shared_arena import ArenaClaim
+from lightning_blockwise.residency.shared_arena import SHARE_TIMEOUT_S, ArenaClaim, claim, owned_here
 
 # The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
 # as long as the model (NOTE [ Exact-size pinned memory ] in residency/arena.py). Read and written only by
@@ -106,16 +108,31 @@ def host_copy_of(model: nn.Module) -> HostCopy | None:
     return vars(model).get(_HOST_COPY_ATTR)
 
 
-def host_copy(stack: DecoderStack, plan: BlockPlan, pin: bool) -> HostCopy:
+def host_copy(
+    stack: DecoderStack,
+    plan: BlockPlan,
+    pin: bool,
+    share_key: Callable[[Sequence[BlockLayout]], str | None] | None = None,
+) -> HostCopy:
     """The model's host copy for ``plan``: the one attached to it if it fits, or a new one packed block by block.
 
     A copy that does not fit is repacked with a warning that says why. Packing a block and
     binding its layers to the slab drops the previous copies of its tensors (on the GPU after
-    a standard load), one block at a time, so memory does not peak.
+    a standard load), one block at a time, so memory does not peak. With ``share_key``, a new
+    copy is shared with the other processes of the machine that pack the same base (NOTE [ One
+    host copy per machine ] in shared_arena.py): the first packs and serves it, the others check
+    every block's bytes against it and bind to its read-only pages.
+
+    Args:
+        stack: The model's decoder stack.
+        plan: The run's blocks.
+        pin: Page-lock the arena for copies to a CUDA device.
+        share_key: What names the base, from the blocks' layouts (``None``, or returning ``None``: not shared).
 
     Raises:
         MisconfigurationException: If the arena does not fit the available host RAM (checked
             before anything is allocated).
+        RuntimeError: If a shared copy's bytes differ from this model's.
     """
     existing = host_copy_of(stack.model)
     if existing is not None:
@@ -128,11 +145,33 @@ def host_copy(stack: DecoderStack, plan: BlockPlan, pin: bool) -> HostCopy:
         )
     ranges = _layer_ranges(plan)
     layouts = tuple(layout_block([stack.layers[i] for i in layers], first_index=layers[0]) for layers in ranges)
-    arena = HostArena([layout.nbytes for layout in layouts], pin=pin)
+    sizes = [layout.nbytes for layout in layouts]
+    name = share_key(layouts) if share_key is not None and hasattr(os, "memfd_create") else None
+    key = None if name is None else f"packed/{name}/{sizes}"
+    arena_claim = None if key is None or owned_here(key) else claim(key)
+    shared = None
+    if arena_claim is not None and not arena_claim.owner:
+        attached = arena_claim.attach(pin=pin, timeout=SHARE_TIMEOUT_S)
+        shared = None if attached is None else attached[0]
+    arena = shared if shared is not None else HostArena(sizes, pin=pin)
     for layout, slab in zip(layouts, arena.slabs, strict=True):
-        pack(layout, slab)
-        bind(layout, slab)
-    copy = HostCopy(layer_ranges=ranges, layouts=layouts, arena=arena, block_size=plan.block_size)
+        if shared is None:
+            pack(layout, slab)
+            bind(layout, slab)
+            continue
+        try:
+            bind_checked(layout, slab)
+        except ValueError as error:
+            raise RuntimeError(
+                f"BlockwiseStrategy: the host copy another process shares for this base differs from this model's"
+                f" ({error}); pass `share_host_copy=False` to pack a copy of this process's own."
+            ) from None
+    serving = arena_claim if arena_claim is not None and arena_claim.owner else None
+    if serving is not None:
+        serving.publish(arena, {"blocks": len(layouts)})
+    elif arena_claim is not None:
+        arena_claim.release()
+    copy = HostCopy(layer_ranges=ranges, layouts=layouts, arena=arena, block_size=plan.block_size, serving=serving)
     attach_host_copy(stack.model, copy)
     return copy
 

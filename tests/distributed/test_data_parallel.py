@@ -79,6 +79,9 @@ def test_three_ranks_exact_against_ddp(checkpoint: Path, tmp_path: Path) -> None
     ddp = run_external(tmp_path / "ddp", checkpoint, "ddp", 3)
     for rank in range(3):
         assert_equal_runs(ddp[rank], blockwise[rank])
+    # The ranks packed one host copy (share_host_copy=None shares among a run's ranks): one serves, two map it.
+    roles = [json.loads((tmp_path / "blockwise" / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert sorted((role["serving"], role["read_only"]) for role in roles) == [(False, True)] * 2 + [(True, False)]
     # Reduced gradients are the same on every rank, and not any one rank's own.
     for name, grad in blockwise[0].grads[0].items():
         assert torch.equal(grad, blockwise[2].grads[0][name])
