@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_blockwise import load_blockwise
+from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.residency.placement import host_copy_of
+from tests.helpers.models import CausalLMModule, build_model, fit, padded_batches
 
 
 def main() -> None:
@@ -27,8 +28,17 @@ def main() -> None:
     parser.add_argument("--no-share", action="store_true")
     parser.add_argument("--hold", type=Path, default=None)
     parser.add_argument("--device", default="cpu", help="where to quantize (cuda: the arena is page-locked)")
+    parser.add_argument(
+        "--pack",
+        choices=["none", "true", "false"],
+        default=None,
+        help="build with from_pretrained and let BlockwiseStrategy(share_host_copy=...) pack it",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.pack is not None:
+        _pack(args)
+        return
     model = load_blockwise(args.checkpoint, compute_dtype=torch.float32, device=args.device, progress=False,
                            share=not args.no_share)  # fmt: skip
     copy = host_copy_of(model)
@@ -42,6 +52,23 @@ def main() -> None:
         "serving": copy.serving is not None,
         "arena": hashlib.sha256(copy.arena.storage.numpy().tobytes()).hexdigest(),
         "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
+    }
+    args.out.write_text(json.dumps(report))
+    while args.hold is not None and not args.hold.exists():
+        time.sleep(0.05)
+
+
+def _pack(args: argparse.Namespace) -> None:
+    """A fit step under ``BlockwiseStrategy(share_host_copy=...)`` of a ``from_pretrained`` NF4 model; report, wait."""
+    share = {"none": None, "true": True, "false": False}[args.pack]
+    module = CausalLMModule(lambda: build_model("llama", args.checkpoint, quantized=True))
+    fit(module, BlockwiseStrategy(share_host_copy=share), padded_batches(2), max_steps=1, accumulate_grad_batches=1)
+    copy = host_copy_of(module.model.get_base_model())
+    assert copy is not None
+    report = {
+        "read_only": copy.arena.read_only,
+        "serving": copy.serving is not None,
+        "losses": [x.item() for x in module.losses],
     }
     args.out.write_text(json.dumps(report))
     while args.hold is not None and not args.hold.exists():

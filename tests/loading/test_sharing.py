@@ -75,3 +75,17 @@ def test_a_block_that_differs_from_the_shared_copy_is_refused(checkpoint: Path) 
     other[len(other) // 2] ^= 1
     with pytest.raises(RuntimeError, match="differs from the host copy another process shares"):
         bind_shared_block(layers, copy.layer_ranges[1], other)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")
+def test_concurrent_jobs_share_a_packed_copy_when_they_opt_in(checkpoint: Path, tmp_path: Path) -> None:
+    """`BlockwiseStrategy(share_host_copy=True)`: two independent jobs packing the same base keep one host copy.
+
+    Control: with the default (`None`), jobs of one process each share nothing with another job.
+    """
+    first, second = _two_loads(checkpoint, tmp_path / "opt_in", "--pack", "true")
+    assert first["serving"] and second["read_only"] and not second["serving"]
+    assert first["losses"] == second["losses"]
+    own_first, own_second = _two_loads(checkpoint, tmp_path / "default", "--pack", "none")
+    assert not own_first["serving"] and not own_second["read_only"]
+    assert own_second["losses"] == second["losses"]
