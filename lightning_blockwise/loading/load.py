@@ -38,10 +38,10 @@ from lightning_blockwise.loading.packing import (
     predict_slabs,
 )
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
-from lightning_blockwise.loading.sharing import SHARE_TIMEOUT_S, claim_load, share_key
+from lightning_blockwise.loading.sharing import share_enabled, share_key
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.placement import HostCopy, attach_host_copy
-from lightning_blockwise.residency.shared_arena import ArenaClaim
+from lightning_blockwise.residency.shared_arena import ArenaClaim, attach_or_own, serve_or_release
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +140,9 @@ def _load_blockwise(
 
     model, layers, prefixes = build_meta_model(config, bnb_config, compute_dtype)
     ranges = block_ranges(len(layers), block_size)
-    share_claim = claim_load(share_key(path, block_size, bnb_config, compute_dtype, pre_quantized), share)
-    shared = None
-    if share_claim is not None and not share_claim.owner:
-        # NOTE [ One host copy per machine ]: wait for the owner's copy (None: it died first, this process loads).
-        attached = share_claim.attach(pin=device.type == "cuda", timeout=SHARE_TIMEOUT_S)
-        shared = None if attached is None else attached[0]
+    # NOTE [ One host copy per machine ]: a peer waits for the owner's copy (the owner: None, it loads one).
+    key = share_key(path, block_size, bnb_config, compute_dtype, pre_quantized) if share_enabled(share) else None
+    share_claim, shared = attach_or_own(key, pin=device.type == "cuda")
     # Refused from config.json alone, before any shard is opened; a copy another process holds counts once.
     sizes, predicted = predict_slabs(path, layers, ranges, check_ram=shared is None)
 
@@ -167,11 +164,7 @@ def _load_blockwise(
             layouts.append(bind_or_pack(layers, layer_range, slab))
         bar.close()
 
-    owner = share_claim if share_claim is not None and share_claim.owner else None
-    if owner is not None:
-        owner.publish(host, {"path": str(path), "blocks": len(ranges)})
-    elif share_claim is not None:
-        share_claim.release()
+    owner = serve_or_release(share_claim, host, {"path": str(path), "blocks": len(ranges)})
     copy = HostCopy(layer_ranges=ranges, layouts=tuple(layouts), arena=host, block_size=block_size, serving=owner)
     attach_host_copy(model, copy)
     model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer

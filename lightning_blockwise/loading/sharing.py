@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 from transformers import BitsAndBytesConfig
 
-from lightning_blockwise.residency.shared_arena import SHARE_TIMEOUT_S, ArenaClaim, claim, owned_here
-
 #: Bumped when what a shared copy holds changes, so that processes of two versions never share one.
 _LAYOUT_VERSION = 1
 
@@ -40,16 +38,9 @@ def share_key(
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
 
 
-def claim_load(key: str, share: bool) -> ArenaClaim | None:
-    """This process's claim on the copy ``key`` names, or ``None`` when it keeps a copy of its own.
-
-    A copy is shared only where arenas live in a memfd (Linux) and ``share`` asks for it, and never with this
-    process itself: a second load of the same base in one process (a reference model, a test) gets a writable
-    copy of its own, as it always did.
-    """
-    if not share or not hasattr(os, "memfd_create") or owned_here(key):
-        return None
-    return claim(key)
+def share_enabled(share: bool) -> bool:
+    """Whether a load shares its copy: asked for, and arenas live in a memfd (Linux)."""
+    return share and hasattr(os, "memfd_create")
 
 
-__all__ = ["SHARE_TIMEOUT_S", "claim_load", "share_key"]
+__all__ = ["share_enabled", "share_key"]

@@ -24,7 +24,7 @@ from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.binding import bind, bind_checked, pack, unbound
 from lightning_blockwise.residency.layout import BlockLayout, layout_block
-from lightning_blockwise.residency.shared_arena import SHARE_TIMEOUT_S, ArenaClaim, claim, owned_here
+from lightning_blockwise.residency.shared_arena import ArenaClaim, attach_or_own, serve_or_release
 
 # The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
 # as long as the model (NOTE [ Exact-size pinned memory ] in residency/arena.py). Read and written only by
@@ -148,11 +148,7 @@ def host_copy(
     sizes = [layout.nbytes for layout in layouts]
     name = share_key(layouts) if share_key is not None and hasattr(os, "memfd_create") else None
     key = None if name is None else f"packed/{name}/{sizes}"
-    arena_claim = None if key is None or owned_here(key) else claim(key)
-    shared = None
-    if arena_claim is not None and not arena_claim.owner:
-        attached = arena_claim.attach(pin=pin, timeout=SHARE_TIMEOUT_S)
-        shared = None if attached is None else attached[0]
+    arena_claim, shared = attach_or_own(key, pin)
     arena = shared if shared is not None else HostArena(sizes, pin=pin)
     for layout, slab in zip(layouts, arena.slabs, strict=True):
         if shared is None:
@@ -166,11 +162,7 @@ def host_copy(
                 f"BlockwiseStrategy: the host copy another process shares for this base differs from this model's"
                 f" ({error}); pass `share_host_copy=False` to pack a copy of this process's own."
             ) from None
-    serving = arena_claim if arena_claim is not None and arena_claim.owner else None
-    if serving is not None:
-        serving.publish(arena, {"blocks": len(layouts)})
-    elif arena_claim is not None:
-        arena_claim.release()
+    serving = serve_or_release(arena_claim, arena, {"blocks": len(layouts)})
     copy = HostCopy(layer_ranges=ranges, layouts=layouts, arena=arena, block_size=plan.block_size, serving=serving)
     attach_host_copy(stack.model, copy)
     return copy

@@ -88,6 +88,31 @@ def owned_here(key: str) -> bool:
     return owner is not None and owner.owner and owner._listener is not None
 
 
+def attach_or_own(key: str | None, pin: bool) -> tuple[ArenaClaim | None, HostArena | None]:
+    """The claim on ``key`` (``None``: not shared, or this process owns it already) and, for a peer, the owner's arena.
+
+    The owner (an arena of ``None``) builds its arena and ends with :func:`serve_or_release`.
+    """
+    if key is None or owned_here(key):
+        return None, None
+    taken = claim(key)
+    if taken.owner:
+        return taken, None
+    attached = taken.attach(pin=pin, timeout=SHARE_TIMEOUT_S)  # None: the owner died first, this process owns
+    return taken, None if attached is None else attached[0]
+
+
+def serve_or_release(taken: ArenaClaim | None, arena: HostArena, meta: dict[str, Any]) -> ArenaClaim | None:
+    """Publish ``arena`` if this process owns the claim (returned: it serves while the copy lives), else release it."""
+    if taken is None:
+        return None
+    if taken.owner:
+        taken.publish(arena, meta)
+        return taken
+    taken.release()
+    return None
+
+
 def claim(key: str) -> ArenaClaim:
     """Claim the host copy named ``key`` on this machine: own it (load and publish it) or attach to it.
 
@@ -303,4 +328,13 @@ class ArenaClaim:
         )
 
 
-__all__ = ["SHARE_TIMEOUT_S", "ArenaClaim", "claim", "owned_here", "shmem_bytes", "socket_address"]
+__all__ = [
+    "SHARE_TIMEOUT_S",
+    "ArenaClaim",
+    "attach_or_own",
+    "claim",
+    "owned_here",
+    "serve_or_release",
+    "shmem_bytes",
+    "socket_address",
+]
