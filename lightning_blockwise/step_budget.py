@@ -75,6 +75,8 @@ class StepBudget:
         keep_activations: With a budget, keep blocks' graphs instead of recomputing them where they
             fit (NOTE [ Kept activations ] in planning/memory.py).
         adapter_dropout: The adapters apply dropout (a kept graph holds their dropped-out inputs).
+        window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with block-major
+            accumulation, else 1; over 1, nothing is kept or offloaded (NOTE [ Block-major accumulation ]).
     """
 
     config: Any
@@ -92,6 +94,7 @@ class StepBudget:
     block_layers: Sequence[int] = ()
     keep_activations: bool = False
     adapter_dropout: bool = True
+    window: int = 1
 
     @classmethod
     def for_module(
@@ -105,6 +108,7 @@ class StepBudget:
         offload: bool | None,
         block_layers: Sequence[int] = (),
         keep_activations: bool = False,
+        window: int = 1,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -122,6 +126,7 @@ class StepBudget:
             offload: The ``offload_activations`` option.
             block_layers: Decoder layers in each block.
             keep_activations: The ``keep_activations`` option.
+            window: Micro-batches of a block-major window (1: none).
         """
         head = model.get_output_embeddings()
         return cls(
@@ -140,6 +145,7 @@ class StepBudget:
             block_layers=list(block_layers),
             keep_activations=keep_activations,
             adapter_dropout=_has_dropout(module),
+            window=window,
         )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
@@ -153,6 +159,7 @@ class StepBudget:
             loss_chunk_tokens=self.loss_chunk_tokens,
             mlp_tile_tokens=self.mlp_tile_tokens,
             adapter_dropout=self.adapter_dropout,
+            window=self.window,
         )
 
     def plan(self, tokens: int) -> StepPlan:
@@ -164,7 +171,7 @@ class StepBudget:
             ValueError: If even every block streamed (and the inputs offloaded, unless forced off)
                 does not fit the budget; says by how much and what to change.
         """
-        choices = [self.offload] if self.offload is not None else [False, True]
+        choices = [self.offload] if self.offload is not None else [False] if self.window > 1 else [False, True]
         error: ValueError | None = None
         for offload in choices:
             shape = self.shape(tokens, offload)
@@ -191,7 +198,7 @@ class StepBudget:
 
     def _graph_bytes(self, shape: StepShape) -> list[int] | None:
         """Each block's layers' graphs, when blocks may keep them (NOTE [ Kept activations ])."""
-        if not self.keep_activations or self.budget is None or not self.block_layers:
+        if not self.keep_activations or self.budget is None or not self.block_layers or self.window > 1:
             return None
         return [layers * shape.layer_graph() for layers in self.block_layers]
 
@@ -208,6 +215,8 @@ class StepBudget:
         )
         kept = plan.residency.kept
         kept_text = f"{len(kept)} blocks keep their activations (not recomputed), " if kept else ""
+        if self.window > 1:
+            kept_text += f"block-major accumulation over {self.window} micro-batches (nothing kept or offloaded), "
         return (
             f"{kept_text}predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
             f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"

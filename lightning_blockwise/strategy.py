@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_blockwise.accumulation import BlockMajorSteps, refuse_unsupported
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
@@ -75,6 +76,11 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
             holds what training changes and a fingerprint of the base (NOTE [ Lean checkpoints ] in checkpointing.py).
+        block_major_accumulation: With ``Trainer(accumulate_grad_batches=G)``, copy each block once for the forward of a
+            window's G micro-batches and once for their backward, instead of G times each: a window's training steps
+            run layer by layer (NOTE [ Block-major accumulation ] in replay/block_major.py; a window's batches are read
+            ahead, NOTE [ A window's batches ] in accumulation.py). Exact; needs dropout 0 in the decoder layers, one
+            device, automatic optimization; saves G micro-batches' layer inputs at once; nothing kept or offloaded.
         share_host_copy: Share the host copy this run packs with the other processes of the machine that pack the
             same base (NOTE [ One host copy per machine ] in residency/shared_arena.py): ``None`` (default) among
             this run's ranks only when it has several, ``True`` with any process of this user (concurrent jobs on
@@ -116,6 +122,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
         share_host_copy: bool | None = None,
+        block_major_accumulation: bool = False,
         accelerator: Accelerator | None = None,
         device: _DEVICE | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -136,6 +143,12 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             check_count("budget_tokens", budget_tokens)
         check_optional_bool("offload_activations", offload_activations)
         check_bool("keep_activations", keep_activations)
+        check_bool("block_major_accumulation", block_major_accumulation)
+        if block_major_accumulation and offload_activations:
+            raise MisconfigurationException(
+                "`BlockwiseStrategy(block_major_accumulation=True, offload_activations=True)`: a block-major window"
+                " saves its micro-batches' layer inputs on the device; leave `offload_activations` unset (or False)."
+            )
         check_device(device)
         if device is not None and parallel_devices is not None:
             raise MisconfigurationException(
@@ -163,6 +176,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         self.save_frozen_base = save_frozen_base
         check_optional_bool("share_host_copy", share_host_copy)
         self.share_host_copy = share_host_copy
+        self.block_major_accumulation = block_major_accumulation
+        self._block_major: BlockMajorSteps | None = None
         self.plan: BlockPlan | None = None
         self._observer = StreamObserver()
         self._stack: DecoderStack | None = None
@@ -182,6 +197,11 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             raise MisconfigurationException(f"`BlockwiseStrategy(block_size={self.block_size})`: {error}") from None
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainable(stack)
+            if self.block_major_accumulation and trainer.accumulate_grad_batches > 1:
+                refuse_unsupported(trainer, self.lightning_module, stack.layers, self.world_size)
+                self._block_major = BlockMajorSteps(
+                    trainer.accumulate_grad_batches, len(stack.layers), self.root_device
+                )
         self._stack = stack
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
@@ -215,6 +235,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             offload=self.offload_activations,
             block_layers=self.plan.layers_per_block,
             keep_activations=self.keep_activations,
+            window=self._block_major.window if self._block_major is not None else 1,
         )
         self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
@@ -246,7 +267,44 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             replanned = self._planner.see_batch(args[0] if args else kwargs.get("batch"))
             if replanned is not None:
                 rank_zero_info(f"BlockwiseStrategy: {replanned}.")
-        return super().training_step(*args, **kwargs)
+        if self._block_major is None or kwargs:
+            return super().training_step(*args, **kwargs)
+        # NOTE [ A window's batches ] in accumulation.py.
+        return self._block_major.training_step(
+            self.lightning_module.trainer,
+            args,
+            run=super().training_step,
+            read_batch=self._read_ahead,
+            see_batches=self._see_batches,
+        )
+
+    def _read_ahead(self, batch: Any) -> Any:
+        """What Lightning's loop makes of a batch before ``training_step`` (NOTE [ A window's batches ])."""
+        trainer = self.lightning_module.trainer
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return self.batch_to_device(batch, dataloader_idx=0)
+
+    def _see_batches(self, batches: list[Any]) -> None:
+        assert self._planner is not None
+        for batch in batches:
+            replanned = self._planner.see_batch(batch)
+            if replanned is not None:
+                rank_zero_info(f"BlockwiseStrategy: {replanned}.")
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._block_major is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        block_major = self._block_major
+
+        def closure_then_window() -> Any:
+            result = closure()
+            # The window's backward, where the last micro-batch's did not run it (it returned None, say).
+            block_major.finish()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_window, model, **kwargs)
 
     @property
     @override
@@ -310,6 +368,9 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._block_major is not None:
+            self._block_major.close()
+            self._block_major = None
         if self._layers is not None:
             self._layers.close()
             self._layers = None

@@ -59,6 +59,8 @@ class StepShape:
             (:func:`~lightning_blockwise.tiling.tile_mlps`); ``None``: untiled.
         adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
             holds); assumed when unknown.
+        window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with
+            block-major accumulation (NOTE [ Block-major accumulation ] in replay/block_major.py), else 1.
     """
 
     tokens: int
@@ -71,6 +73,7 @@ class StepShape:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
     adapter_dropout: bool = True
+    window: int = 1
 
     @classmethod
     def for_config(
@@ -83,6 +86,7 @@ class StepShape:
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
         adapter_dropout: bool = True,
+        window: int = 1,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -95,6 +99,7 @@ class StepShape:
             loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
             mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
             adapter_dropout: The adapters apply dropout to their inputs.
+            window: Micro-batches whose layer inputs are saved at once (block-major accumulation).
         """
         config = getattr(config, "text_config", None) or config
         return cls(
@@ -108,6 +113,7 @@ class StepShape:
             loss_chunk_tokens=loss_chunk_tokens,
             mlp_tile_tokens=mlp_tile_tokens,
             adapter_dropout=adapter_dropout,
+            window=window,
         )
 
     def activation_peak(self) -> int:
@@ -121,12 +127,14 @@ class StepShape:
         (while a layer's backward runs).
         """
         saved_inputs = min(self.num_layers, _INPUTS_IN_FLIGHT) if self.offload_inputs else self.num_layers
-        saved_inputs *= self.input_bytes()
+        saved_inputs *= self.input_bytes() * self.window
         rows = self.tokens if self.loss_chunk_tokens is None else min(self.tokens, self.loss_chunk_tokens)
         logits = int(rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY)
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
         # The decoder's last hidden states and the gradients flowing through the stack, alive throughout.
         through = _HIDDEN_STATES_ALIVE * self.input_bytes()
+        # Block-major: the other micro-batches' decoder outputs, and their gradients waiting for the window's backward.
+        through += 2 * (self.window - 1) * self.input_bytes()
         peak = saved_inputs + through + max(logits, self.layer_working_set() + dequantized)
         return int(peak * _ALLOCATOR_ROUNDING)
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.activations import ActivationOffload
@@ -87,7 +88,7 @@ class RematLayer:
         # switched off on the instance while this wrapper is installed (see `install`).
         self._forward = type(layer).forward
         # What makes the Function's output need a gradient when only the adapters do (NOTE [ Exact rematerialization ]).
-        self._anchor = torch.empty(0, requires_grad=True)
+        self.anchor = torch.empty(0, requires_grad=True)
 
     def run(self, hidden: Tensor, call: LayerCall) -> Tensor:
         """Evaluate the layer on ``hidden`` with the recorded call arguments."""
@@ -105,6 +106,10 @@ class RematLayer:
             hidden, args = args[0], args[1:]
         else:
             hidden = kwargs.pop("hidden_states")
+        member = block_major.current_member()
+        if member is not None:
+            # NOTE [ Block-major accumulation ] in block_major.py.
+            return member.window.forward_layer(self, member.index, hidden, args, kwargs)
         params = tuple(p for p in self.params if p.requires_grad)
         if not torch.is_grad_enabled() or not (params or hidden.requires_grad):
             self.residency.acquire(self.index, Pass.FORWARD)
@@ -113,7 +118,7 @@ class RematLayer:
             return output
         call = LayerCall.capture(hidden.device, args, kwargs)
         rng = RngSnapshot.capture(hidden.device)
-        return _RematFunction.apply(self, call, rng, params, hidden, self._anchor)
+        return _RematFunction.apply(self, call, rng, params, hidden, self.anchor)
 
 
 class _RematFunction(torch.autograd.Function):

@@ -1,0 +1,220 @@
+"""The strategy's side of block-major gradient accumulation: a window's batches read ahead of Lightning's loop."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+
+from lightning_blockwise.replay.block_major import Window, WindowError
+
+# NOTE [ A window's batches ]
+# A window's micro-batches must all be at hand when its first one is due (NOTE [ Block-major
+# accumulation ] in replay/block_major.py). The strategy reads them ahead from the iterator
+# inside Lightning's data fetcher, through a wrapper that keeps what it read and hands it to
+# the fetcher when the loop asks, in order: the fetcher counts and finishes its batches as
+# without it, and the loop sees the same batches at the same indices. What the loop does to a
+# batch before `training_step` (`convert_input`, `on_before_batch_transfer`, `batch_to_device`
+# with `transfer_batch_to_device` and `on_after_batch_transfer`) the strategy does to the ones
+# it reads ahead, so those hooks run twice for micro-batches 1..G-1 of a window (once when read
+# ahead, once when the loop reaches them), and when the loop hands micro-batch k to
+# `training_step`, it is compared with the one read ahead (`torch.equal`): a hook that
+# transforms at random is refused there. A window ends where Lightning's accumulation ends it:
+# after `accumulate_grad_batches` batches or at the epoch's last batch.
+
+
+class _Lookahead(Iterator):
+    """An iterator whose next items can be read ahead without being taken."""
+
+    def __init__(self, iterator: Iterator) -> None:
+        self.iterator = iterator
+        self.ahead: deque[Any] = deque()
+
+    def __next__(self) -> Any:
+        return self.ahead.popleft() if self.ahead else next(self.iterator)
+
+    def peek(self, count: int) -> list[Any]:
+        """Up to ``count`` next items (fewer where the iterator ends), still to be taken."""
+        while len(self.ahead) < count:
+            try:
+                self.ahead.append(next(self.iterator))
+            except StopIteration:
+                break
+        return list(self.ahead)[:count]
+
+
+def refuse_unsupported(trainer: Trainer, module: LightningModule, layers: list[nn.Module], world_size: int) -> None:
+    """Refuse what block-major accumulation cannot run exactly, at setup (before any model work).
+
+    Raises:
+        MisconfigurationException: With several processes, manual optimization, or dropout in the decoder layers.
+    """
+    prefix = "`BlockwiseStrategy(block_major_accumulation=True)`"
+    if world_size > 1:
+        raise MisconfigurationException(
+            f"{prefix} runs on one device only: with DDP each adapter gradient would reach the reducer once per"
+            " micro-batch inside one backward. Use `block_major_accumulation=False` with several devices."
+        )
+    if not module.automatic_optimization:
+        raise MisconfigurationException(
+            f"{prefix} needs Lightning's automatic optimization (it follows `accumulate_grad_batches`); this module"
+            " sets `automatic_optimization = False`."
+        )
+    dropout = [m.p for layer in layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    config_dropout = getattr(_config_of(layers), "attention_dropout", 0.0) or 0.0
+    if dropout or config_dropout > 0:
+        p = dropout[0] if dropout else config_dropout
+        raise MisconfigurationException(
+            f"{prefix}: the decoder layers apply dropout (p={p}). Block-major accumulation runs a window's"
+            " micro-batches layer by layer, which changes the order of their random numbers, so it would not be"
+            " exact; set the adapters' `lora_dropout` (and the model's attention dropout) to 0, or set"
+            " `block_major_accumulation=False`."
+        )
+
+
+def _config_of(layers: list[nn.Module]) -> Any:
+    for layer in layers:
+        for module in layer.modules():
+            config = getattr(module, "config", None)
+            if config is not None:
+                return config
+    return None
+
+
+class BlockMajorSteps:
+    """Runs Lightning's training steps in block-major windows (NOTE [ A window's batches ]).
+
+    Args:
+        window: The ``accumulate_grad_batches`` planned for at setup (the largest window allowed).
+        num_layers: Decoder layers.
+        device: The compute device.
+    """
+
+    def __init__(self, window: int, num_layers: int, device: torch.device) -> None:
+        self.window = window
+        self.num_layers = num_layers
+        self.device = device
+        self._current: Window | None = None
+        self._batches: list[Any] = []
+        self._start = 0
+
+    def training_step(
+        self,
+        trainer: Trainer,
+        args: tuple[Any, ...],
+        run: Callable[..., Any],
+        read_batch: Callable[[Any], Any],
+        see_batches: Callable[[list[Any]], None],
+    ) -> Any:
+        """Micro-batch ``args[0]``'s training step: starts a window at its first micro-batch, answers from it after.
+
+        Args:
+            trainer: The trainer.
+            args: The loop's ``training_step`` arguments (the batch, and its index if the step takes one).
+            run: The strategy's own ``training_step`` for one micro-batch's arguments.
+            read_batch: Makes a batch read ahead what the loop makes of it before ``training_step``.
+            see_batches: Plans for the window's batches before it starts (NOTE [ A budget that sees the batches ]).
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        ready = epoch_loop.batch_progress.current.ready  # this batch included
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate > self.window:
+            raise MisconfigurationException(
+                f"`BlockwiseStrategy(block_major_accumulation=True)` planned device memory for windows of"
+                f" {self.window} micro-batches (`accumulate_grad_batches` at setup), now {accumulate}. Set the largest"
+                " `accumulate_grad_batches` on the Trainer, or turn block-major accumulation off."
+            )
+        position = (ready - 1) % accumulate
+        if position == 0:
+            self._close_window()
+            remaining = trainer.num_training_batches - ready
+            count = int(min(accumulate, 1 + remaining))
+            if count > 1:
+                ahead = [read_batch(item[0]) for item in self._peek(trainer, count - 1)]
+                batches = [args[0], *ahead]
+                if len(batches) > 1:
+                    see_batches(batches)
+                    return self._open(batches, args, run)
+            return run(*args)
+        window = self._current
+        if window is None or position >= window.count:
+            # No window covers this batch (a resume that starts inside one): the usual step, exact as well.
+            return run(*args)
+        if not _same(args[0], self._batches[position]):
+            raise WindowError(
+                f"BlockwiseStrategy(block_major_accumulation=True): batch {ready - 1} of this epoch differs from the"
+                " one read ahead for it (NOTE [ A window's batches ]): a batch transfer hook"
+                " (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) that is not"
+                " deterministic. Make it deterministic or set `block_major_accumulation=False`."
+            )
+        return window.result(position)
+
+    def finish(self) -> None:
+        """Run the open window's backward if its last micro-batch's did not (Lightning's optimizer step is next)."""
+        if self._current is not None:
+            self._current.backward()
+
+    def close(self) -> None:
+        """Abandon the open window (its threads unwind)."""
+        self._close_window()
+
+    def _open(self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any]) -> Any:
+        window = Window(len(batches), self.num_layers, self.device)
+
+        def step(k: int) -> Any:
+            step_args = (batches[k], args[1] + k, *args[2:]) if len(args) > 1 else (batches[k],)
+            return run(*step_args)
+
+        self._current, self._batches = window, batches
+        window.start(step)
+        return window.result(0)
+
+    def _close_window(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+            self._current, self._batches = None, []
+
+    def _peek(self, trainer: Trainer, count: int) -> list[Any]:
+        """The next ``count`` items of the loop's data fetcher (fewer at the end), not taken from it."""
+        fetcher = trainer.fit_loop._data_fetcher
+        if isinstance(fetcher, _DataLoaderIterDataFetcher):
+            raise MisconfigurationException(
+                "`BlockwiseStrategy(block_major_accumulation=True)` reads a window's batches ahead of the loop; a"
+                " `training_step` that takes the `dataloader_iter` fetches its own. Take `batch` instead, or set"
+                " `block_major_accumulation=False`."
+            )
+        assert fetcher is not None and fetcher.iterator is not None
+        if not isinstance(fetcher.iterator, _Lookahead):
+            fetcher.iterator = _Lookahead(fetcher.iterator)
+        # A prefetching fetcher (a loader without a length) holds the next items already, in order.
+        held = list(getattr(fetcher, "batches", []))[:count]
+        return held + fetcher.iterator.peek(count - len(held))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two batches hold equal values (tensors with ``torch.equal``), walking mappings and sequences."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and torch.equal(a, b)
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a usable `==` is compared by identity
+        return a is b
+
+
+__all__ = ["BlockMajorSteps", "refuse_unsupported"]

@@ -1,0 +1,388 @@
+"""Block-major gradient accumulation: a window's micro-batches run each decoder layer one after another.
+
+With gradient accumulation over ``G`` micro-batches, streaming copies every block ``G`` times for the
+forwards and ``G`` times for the backwards. A :class:`Window` runs layer ``l`` of every micro-batch
+while block ``l`` is on the device, in the forward and again in the backward, so each block is copied
+once per pass for the whole window (NOTE [ Block-major accumulation ]).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.residency.base import Pass
+
+if TYPE_CHECKING:
+    from lightning_blockwise.replay.remat import RematLayer
+
+# NOTE [ Block-major accumulation ]
+# Lightning calls `training_step` for micro-batch k only after micro-batch k-1's forward and
+# backward, and a training step is the user's code: it cannot be cut at the decoder. So each
+# micro-batch of a window runs its `training_step` in a thread of its own, started when the
+# window's first micro-batch is due, and the threads take turns (only one runs at any time,
+# in a fixed order, so the user's code runs in a fixed order too): micro-batch 0 runs up to
+# and through decoder layer 0, then micro-batch 1 does, ..., then each runs layer 1, and so
+# on. A layer's block is acquired by the window's first micro-batch and released after its
+# last. After the last layer a thread waits until Lightning asks for its micro-batch, then
+# runs the rest of its step (final norm, head, loss, `self.log`) in that call, so the logs
+# and the loss of micro-batch k belong to the call of micro-batch k.
+#
+# The layers run without a graph; only the last one is an autograd node per micro-batch
+# (`_WindowTop`), whose backward stores the gradient arriving at the top of the decoder. In
+# the backward of the window's last micro-batch, that node runs the decoder's backward for
+# the whole window: layer L-1 recomputed and differentiated for every micro-batch, in order,
+# then layer L-2, ... Each adapter parameter belongs to one layer, so it receives its
+# micro-batches' gradients in the order resident accumulation gives them (0, 1, ..., G-1),
+# through its own `AccumulateGrad` (NOTE [ Exact rematerialization ] in remat.py): the sums
+# are the same, bit for bit. The recompute of a micro-batch's layer is exact as in remat.py.
+#
+# What this cannot replay: random numbers. Sequentially, micro-batch 1's dropout draws come
+# after micro-batch 0's whole step; here they would come after micro-batch 0's layer 0 only.
+# So a layer that draws random numbers (dropout > 0) is refused: each layer's run is checked
+# to leave the generators as it found them. Code around the decoder keeps its order (micro-
+# batch k's code before the decoder runs after micro-batch k-1's, before layer 0), except that
+# the part after the decoder of micro-batch k-1 now runs after the part before it of micro-batch
+# k: random numbers drawn after the decoder (the head's dropout) would change order too, and
+# are refused the same way. The decoder's input gradient is not propagated (the embedding is
+# frozen; a trainable module before the decoder is refused).
+
+_local = threading.local()
+
+
+def current_member() -> _Member | None:
+    """The window micro-batch this thread runs, or ``None`` outside a block-major window."""
+    return getattr(_local, "member", None)
+
+
+class WindowError(RuntimeError):
+    """A block-major window could not run; the message says why and what to change."""
+
+
+class _Aborted(BaseException):
+    """Raised in a window's threads to unwind them when the window is abandoned (not an error of theirs)."""
+
+
+@dataclass
+class _Saved:
+    """What a micro-batch's layer keeps for the window's backward."""
+
+    hidden: Tensor
+    version: int
+    call: LayerCall
+
+
+@dataclass
+class _Member:
+    """The thread-local handle of micro-batch ``index`` of ``window``."""
+
+    window: Window
+    index: int
+
+
+class Window:
+    """One accumulation window: ``count`` micro-batches whose decoder layers run block-major.
+
+    Args:
+        count: Micro-batches in the window.
+        num_layers: Decoder layers.
+        device: The compute device (its CUDA device is made current in the window's threads).
+    """
+
+    def __init__(self, count: int, num_layers: int, device: torch.device) -> None:
+        if count < 2:
+            raise ValueError(f"a block-major window needs at least 2 micro-batches, got {count}")
+        self.count = count
+        self.num_layers = num_layers
+        self.device = device
+        self._cond = threading.Condition()
+        # The turn: ("forward", layer, micro-batch), ("tail", micro-batch), or None (nobody's).
+        self._turn: tuple[Any, ...] | None = ("forward", 0, 0)
+        #: Micro-batches still in the forward (one that returns before the decoder drops out).
+        self._active: list[int] = list(range(count))
+        self._layer_reached = [-1] * count
+        self._results: dict[int, Any] = {}
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._forward_done = False
+        self._saved: list[list[_Saved | None]] = [[None] * num_layers for _ in range(count)]
+        self._remats: list[RematLayer | None] = [None] * num_layers
+        self._grads: dict[int, Tensor] = {}
+        self._backward_done = False
+        self._threads: list[threading.Thread] = []
+        #: The layer whose block the forward holds (acquired by the first active micro-batch).
+        self._acquired: int | None = None
+        # Whether each micro-batch's code before the decoder drew random numbers.
+        self._drew_before = [False] * count
+        self._start_rng: dict[int, tuple[Tensor, ...]] = {}
+        self._tail_rng: dict[int, tuple[Tensor, ...]] = {}
+
+    # -- the window's threads -------------------------------------------------------------------
+
+    def start(self, step: Callable[[int], Any]) -> None:
+        """Start one thread per micro-batch running ``step(k)`` (its whole ``training_step``); they take turns."""
+        for k in range(self.count):
+            thread = threading.Thread(target=self._run, args=(step, k), name=f"block-major-{k}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _run(self, step: Callable[[int], Any], k: int) -> None:
+        _local.member = _Member(self, k)
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._wait(("forward", 0, k))
+            self._start_rng[k] = _rng_state(self.device)
+            result = step(k)
+            if k in self._tail_rng and _drew(self._tail_rng[k], self.device) and any(self._drew_before[k + 1 :]):
+                raise WindowError(_draws_message(f"the code after the decoder in micro-batch {k}'s training_step"))
+            with self._cond:
+                if self._layer_reached[k] == -1:
+                    # Returned before the decoder: nothing of it is in the window's layers.
+                    self._drop(k)
+                elif self._layer_reached[k] < self.num_layers - 1 or self._turn != ("tail", k):
+                    raise WindowError(
+                        f"BlockwiseStrategy(block_major_accumulation=True): the training_step of micro-batch {k}"
+                        f" returned after decoder layer {self._layer_reached[k]} of {self.num_layers}; block-major"
+                        " accumulation needs every training_step to run the whole decoder once."
+                    )
+                self._results[k] = result
+                self._cond.notify_all()
+        except _Aborted:
+            pass
+        except BaseException as error:  # handed to the thread Lightning runs, which raises it
+            with self._cond:
+                if self._error is None:
+                    self._error = error
+                self._cond.notify_all()
+        finally:
+            _local.member = None
+
+    def _wait(self, turn: tuple[Any, ...]) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == turn or self._error is not None or self._aborted)
+            if self._aborted or self._error is not None:
+                raise _Aborted
+
+    def _drop(self, k: int) -> None:
+        """Micro-batch ``k`` returned before the decoder, in its turn at layer 0: hand the turn on (lock held)."""
+        self._active.remove(k)
+        if self._acquired is not None and not [j for j in self._active if j > k]:
+            # The micro-batches before it ran layer 0 on a block that only the last one releases.
+            self._release(self._acquired)
+        self._advance(0, k)
+
+    def _advance(self, layer: int, k: int) -> None:
+        """Hand the turn from micro-batch ``k`` at ``layer`` to the next one (lock held)."""
+        later = [j for j in self._active if j > k]
+        if later:
+            self._turn = ("forward", layer, later[0])
+        elif layer + 1 < self.num_layers and self._active:
+            self._turn = ("forward", layer + 1, self._active[0])
+        else:
+            self._turn, self._forward_done = None, True
+        self._cond.notify_all()
+
+    def _release(self, layer: int) -> None:
+        remat = self._remats[layer]
+        assert remat is not None
+        remat.residency.release(layer, Pass.FORWARD)
+        self._acquired = None
+
+    # -- the layers, called from RematLayer in the window's threads --------------------------------
+
+    def forward_layer(self, remat: RematLayer, k: int, hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        """Run ``remat``'s layer for micro-batch ``k`` in its turn; see NOTE [ Block-major accumulation ]."""
+        layer = remat.index
+        self._wait(("forward", layer, k))
+        if layer != self._layer_reached[k] + 1:
+            raise WindowError(
+                f"BlockwiseStrategy(block_major_accumulation=True): micro-batch {k} called decoder layer {layer}"
+                f" after layer {self._layer_reached[k]}; block-major accumulation needs the decoder's layers called"
+                " once each, in order, per training_step."
+            )
+        if layer == 0:
+            _refuse_trainable_before(hidden)
+        self._remats[layer] = remat
+        call = LayerCall.capture(hidden.device, args, kwargs)
+        if layer == 0:
+            self._drew_before[k] = _drew(self._start_rng[k], hidden.device)
+        if k == self._active[0]:
+            remat.residency.acquire(layer, Pass.FORWARD)
+            self._acquired = layer
+        rng = _rng_state(hidden.device)
+        if layer == self.num_layers - 1:
+            output = _WindowTop.apply(self, k, remat, call, hidden, remat.anchor)
+        else:
+            with torch.no_grad():
+                output = remat.run(hidden, call)
+        if _drew(rng, hidden.device):
+            raise WindowError(_draws_message(f"decoder layer {layer} of micro-batch {k}"))
+        self._saved[k][layer] = _Saved(hidden, hidden._version, call)
+        with self._cond:
+            if k == self._active[-1]:
+                self._release(layer)
+            self._layer_reached[k] = layer
+            self._advance(layer, k)
+        if layer == self.num_layers - 1:
+            # The rest of the step runs when Lightning asks for this micro-batch (`result`).
+            self._wait(("tail", k))
+            self._tail_rng[k] = _rng_state(hidden.device)
+        return output
+
+    # -- the thread Lightning runs ------------------------------------------------------------------
+
+    def result(self, k: int) -> Any:
+        """Let micro-batch ``k`` finish its ``training_step`` and return what it returned.
+
+        Raises:
+            BaseException: What a window thread raised, re-raised here.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._forward_done or self._error is not None or k in self._results)
+            self._raise_error()
+            if k not in self._results:
+                self._turn = ("tail", k)
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: k in self._results or self._error is not None)
+                self._raise_error()
+            return self._results[k]
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._aborted = True
+            self._cond.notify_all()
+            raise error
+
+    def abort(self) -> None:
+        """Unwind the window's waiting threads (the window is abandoned) and drop what it saved."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._saved = []
+        self._grads = {}
+
+    @property
+    def finished(self) -> bool:
+        """Whether every micro-batch has returned and the window's backward has run (or had nothing to do)."""
+        return len(self._results) == self.count and (self._backward_done or not self._grads)
+
+    # -- the backward ---------------------------------------------------------------------------
+
+    def stash(self, k: int, grad: Tensor) -> None:
+        """Keep the gradient at the top of the decoder of micro-batch ``k``; the last one runs the window's backward."""
+        self._grads[k] = grad
+        if k == self._active[-1]:
+            self.backward()
+
+    def backward(self) -> None:
+        """Differentiate the decoder for every micro-batch that stored a gradient, block by block, last layer first.
+
+        Runs at most once; a micro-batch whose backward never reached the decoder (its ``training_step``
+        returned ``None``, or a loss that does not depend on it) contributes nothing, as in resident training.
+        """
+        if self._backward_done or not self._grads:
+            return
+        self._backward_done = True
+        order = sorted(self._grads)
+        grads = [self._grads[k] for k in order]
+        for layer in reversed(range(self.num_layers)):
+            remat = self._remats[layer]
+            assert remat is not None
+            params = [p for p in remat.params if p.requires_grad]
+            remat.residency.acquire(layer, Pass.BACKWARD)
+            for position, k in enumerate(order):
+                saved = self._saved[k][layer]
+                assert saved is not None
+                self._saved[k][layer] = None
+                if saved.hidden._version != saved.version:
+                    raise WindowError(
+                        f"BlockwiseStrategy(block_major_accumulation=True): the input of decoder layer {layer} of"
+                        f" micro-batch {k} was modified in place after the layer ran; the recompute would differ."
+                    )
+                x = saved.hidden.detach().requires_grad_(layer > 0)
+                with torch.enable_grad(), saved.call.autocast_context():
+                    output = remat.run(x, saved.call)
+                inputs = [x, *params] if layer > 0 else params
+                if inputs:
+                    torch.autograd.backward(output, grads[position], inputs=inputs)
+                del output
+                grads[position] = x.grad if layer > 0 else None
+            remat.residency.release(layer, Pass.BACKWARD)
+        self._grads = {}
+
+
+class _WindowTop(torch.autograd.Function):
+    """The decoder's last layer of one window micro-batch: the only autograd node of its decoder.
+
+    See NOTE [ Block-major accumulation ].
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, window: Window, k: int, remat: RematLayer, call: LayerCall, hidden: Tensor, anchor: Tensor
+    ) -> Tensor:
+        ctx.window, ctx.k = window, k
+        ctx.set_materialize_grads(False)
+        return remat.run(hidden, call)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor | None) -> tuple[None, ...]:
+        if grad_output is not None:
+            ctx.window.stash(ctx.k, grad_output)
+        return (None,) * 6
+
+
+def _refuse_trainable_before(hidden: Tensor) -> None:
+    """Refuse a decoder input that trainable parameters feed: its gradient is not propagated."""
+    if not hidden.requires_grad or hidden.grad_fn is None:
+        if hidden.requires_grad:
+            raise WindowError(_TRAINABLE_BEFORE)
+        return
+    seen, todo = set(), [hidden.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable") and node.variable.requires_grad:
+            raise WindowError(_TRAINABLE_BEFORE)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+
+
+_TRAINABLE_BEFORE = (
+    "BlockwiseStrategy(block_major_accumulation=True): trainable parameters feed the decoder's input (e.g. a"
+    " trainable embedding, `modules_to_save=['embed_tokens']`); block-major accumulation does not propagate the"
+    " gradient below the decoder. Freeze them, or set `block_major_accumulation=False`."
+)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(),)
+
+
+def _drew(before: Sequence[Tensor], device: torch.device) -> bool:
+    """Whether the generators moved since ``before`` was taken."""
+    return any(not torch.equal(a, b) for a, b in zip(before, _rng_state(device), strict=True))
+
+
+def _draws_message(where: str) -> str:
+    return (
+        f"BlockwiseStrategy(block_major_accumulation=True): {where} drew random numbers (dropout > 0?). Block-major"
+        " accumulation runs a window's micro-batches layer by layer, which would change the order of their random"
+        " numbers; set the adapters' and the model's dropout to 0, or set `block_major_accumulation=False`."
+    )
+
+
+__all__ = ["Window", "WindowError", "current_member"]

@@ -1,0 +1,182 @@
+"""Block-major gradient accumulation (NOTE [ Block-major accumulation ], NOTE [ A window's batches ]).
+
+Through ``Trainer.fit`` with ``accumulate_grad_batches=4``: exact to resident training with the same
+accumulation (losses, grads, weights, AdamW state), each block copied once per pass per window instead of
+once per micro-batch, windows cut short at an epoch's end with a shuffling loader, micro-batches that
+return ``None``, the rest of a step running in Lightning's call for it. Controls: a window backward that
+takes its micro-batches in another order differs; dropout is refused at setup, and random numbers drawn
+in a layer at run time are refused.
+"""
+
+from __future__ import annotations
+
+import builtins
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+import lightning_blockwise  # noqa: F401
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.replay import block_major
+from lightning_blockwise.replay.block_major import WindowError
+from lightning_blockwise.residency.streamer import StreamObserver
+from tests.helpers.models import (
+    CONFIGS,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    collect,
+    fit,
+    padded_batches,
+    runs_differ,
+    trainer,
+    trainer_optimizer,
+)
+
+ACCUMULATE = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' tiny Llama, 8 layers, without attention dropout (block-major accumulation refuses dropout)."""
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.attention_dropout = 0.0
+    config.num_hidden_layers = 8  # more blocks than slots, so that copies are what the windows save
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def _module(checkpoint: Path, cls: type[CausalLMModule] = CausalLMModule, dropout: float = 0.0) -> CausalLMModule:
+    return cls(lambda: build_model("llama", checkpoint=checkpoint, quantized=True, lora_dropout=dropout))
+
+
+class _Copies(StreamObserver):
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def copy_started(self, block: int) -> None:
+        self.copies += 1
+
+
+def _blockwise(observer: StreamObserver | None = None, **options: Any) -> BlockwiseStrategy:
+    strategy = BlockwiseStrategy(**options)
+    if observer is not None:
+        strategy.set_observer(observer)
+    return strategy
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint: Path) -> Any:
+    return fit(_module(checkpoint), "auto", accumulate_grad_batches=ACCUMULATE, max_steps=2)
+
+
+def test_block_major_equals_resident_and_copies_each_block_once_per_window(checkpoint: Path, resident: Any) -> None:
+    plain_copies, window_copies = _Copies(), _Copies()
+    plain = fit(_module(checkpoint), _blockwise(plain_copies), accumulate_grad_batches=ACCUMULATE, max_steps=2)
+    windowed = fit(
+        _module(checkpoint),
+        _blockwise(window_copies, block_major_accumulation=True),
+        accumulate_grad_batches=ACCUMULATE,
+        max_steps=2,
+    )
+    assert_equal_runs(plain, resident)
+    assert_equal_runs(windowed, resident)
+    # 2 windows of 4 micro-batches: the per-micro-batch traffic once per window.
+    assert window_copies.copies > 0
+    assert plain_copies.copies >= 3.5 * window_copies.copies, (plain_copies.copies, window_copies.copies)
+
+
+def test_control_window_backward_in_another_order_differs(
+    checkpoint: Path, resident: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison sees the order in which a window's micro-batches reach the adapters' gradients."""
+    # Same work, the micro-batches taken last first: the gradients' sums round differently.
+    monkeypatch.setattr(block_major, "sorted", lambda keys: builtins.sorted(keys, reverse=True), raising=False)
+    windowed = fit(
+        _module(checkpoint),
+        _blockwise(block_major_accumulation=True),
+        accumulate_grad_batches=ACCUMULATE,
+        max_steps=2,
+    )
+    assert runs_differ(windowed, resident)
+
+
+class _ShortStepModule(CausalLMModule):
+    """Skips one micro-batch per window (returns ``None``, the window's last one in the first window)."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        # The step's tail runs in Lightning's call for its own batch (NOTE [ Block-major accumulation ]).
+        assert self.trainer.fit_loop.epoch_loop.batch_idx == batch_idx
+        return None if batch_idx in (3, 5) else loss
+
+
+def test_windows_cut_at_epoch_end_shuffled_and_skipped_micro_batches(checkpoint: Path) -> None:
+    """6 batches per epoch, windows of 4 then 2, a shuffling loader, micro-batches returning None: exact."""
+    runs = []
+    for strategy in ("auto", _blockwise(block_major_accumulation=True)):
+        module = _module(checkpoint, _ShortStepModule)
+        torch.manual_seed(0)
+        run = trainer(strategy, accumulate_grad_batches=ACCUMULATE, max_steps=-1, max_epochs=2)
+        data = DataLoader(padded_batches(6), batch_size=None, shuffle=True)
+        seed_everything(0, verbose=False)
+        run.fit(module, data)
+        assert run.global_step == 4
+        runs.append(collect(module, trainer_optimizer(module)))
+    assert_equal_runs(runs[1], runs[0])
+
+
+def test_dropout_refused_at_setup(checkpoint: Path) -> None:
+    with pytest.raises(MisconfigurationException, match=r"dropout \(p=0.1\).*lora_dropout"):
+        fit(
+            _module(checkpoint, dropout=0.1),
+            _blockwise(block_major_accumulation=True),
+            accumulate_grad_batches=ACCUMULATE,
+            max_steps=1,
+        )
+
+
+class _DropoutAfterSetup(Callback):
+    """Turns one adapter's dropout on after the strategy's checks: the run-time check must catch it."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        lora = pl_module.model.get_decoder().layers[1].self_attn.q_proj
+        lora.lora_dropout["default"] = nn.Dropout(0.5)
+
+
+def test_random_numbers_in_a_layer_refused_at_run_time(checkpoint: Path) -> None:
+    with pytest.raises(WindowError, match="decoder layer 1 of micro-batch 0 drew random numbers"):
+        fit(
+            _module(checkpoint),
+            _blockwise(block_major_accumulation=True),
+            accumulate_grad_batches=ACCUMULATE,
+            max_steps=1,
+            callbacks=[_DropoutAfterSetup()],
+        )
+
+
+def test_bad_combinations_refused_before_model_work() -> None:
+    with pytest.raises(MisconfigurationException, match="offload_activations"):
+        BlockwiseStrategy(block_major_accumulation=True, offload_activations=True)
+    with pytest.raises(MisconfigurationException, match="True or False"):
+        BlockwiseStrategy(block_major_accumulation="yes")  # type: ignore[arg-type]
+
+
+class _Manual(CausalLMModule):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_refused(checkpoint: Path) -> None:
+    with pytest.raises(MisconfigurationException, match="automatic optimization"):
+        fit(_module(checkpoint, _Manual), _blockwise(block_major_accumulation=True), accumulate_grad_batches=2)
