@@ -12,7 +12,7 @@ from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from lightning_blockwise.replay.block_major import Window, WindowError
+from lightning_blockwise.replay.block_major import Window, WindowError, Workers
 
 # NOTE [ A window's batches ]
 # A window's micro-batches must all be at hand when its first one is due (NOTE [ Block-major
@@ -101,6 +101,7 @@ class BlockMajorSteps:
         self.num_layers = num_layers
         self.device = device
         self._current: Window | None = None
+        self._workers: Workers | None = None
         self._batches: list[Any] = []
         self._start = 0
 
@@ -161,8 +162,11 @@ class BlockMajorSteps:
             self._current.backward()
 
     def close(self) -> None:
-        """Abandon the open window (its threads unwind)."""
+        """Abandon the open window (its micro-batches unwind) and stop the worker threads."""
         self._close_window()
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     def _open(self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any]) -> Any:
         window = Window(len(batches), self.num_layers, self.device)
@@ -172,7 +176,9 @@ class BlockMajorSteps:
             return run(*step_args)
 
         self._current, self._batches = window, batches
-        window.start(step)
+        if self._workers is None:
+            self._workers = Workers(self.window, self.device)
+        window.start(step, self._workers)
         return window.result(0)
 
     def _close_window(self) -> None:

@@ -8,6 +8,7 @@ once per pass for the whole window (NOTE [ Block-major accumulation ]).
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class Window:
         self._remats: list[RematLayer | None] = [None] * num_layers
         self._grads: dict[int, Tensor] = {}
         self._backward_done = False
-        self._threads: list[threading.Thread] = []
+        self._live = 0  # micro-batches whose `training_step` has not returned or unwound
         #: The layer whose block the forward holds (acquired by the first active micro-batch).
         self._acquired: int | None = None
         # Whether each micro-batch's code before the decoder drew random numbers.
@@ -125,18 +126,15 @@ class Window:
 
     # -- the window's threads -------------------------------------------------------------------
 
-    def start(self, step: Callable[[int], Any]) -> None:
-        """Start one thread per micro-batch running ``step(k)`` (its whole ``training_step``); they take turns."""
+    def start(self, step: Callable[[int], Any], workers: Workers) -> None:
+        """Run ``step(k)`` (micro-batch ``k``'s whole ``training_step``) on worker ``k``; the workers take turns."""
+        self._live = self.count
         for k in range(self.count):
-            thread = threading.Thread(target=self._run, args=(step, k), name=f"block-major-{k}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            workers.submit(k, lambda k=k: self._run(step, k))
 
     def _run(self, step: Callable[[int], Any], k: int) -> None:
         _local.member = _Member(self, k)
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
             self._wait(("forward", 0, k))
             self._start_rng[k] = _rng_state(self.device)
             result = step(k)
@@ -163,6 +161,9 @@ class Window:
                 self._cond.notify_all()
         finally:
             _local.member = None
+            with self._cond:
+                self._live -= 1
+                self._cond.notify_all()
 
     def _wait(self, turn: tuple[Any, ...]) -> None:
         with self._cond:
@@ -262,19 +263,13 @@ class Window:
             raise error
 
     def abort(self) -> None:
-        """Unwind the window's waiting threads (the window is abandoned) and drop what it saved."""
+        """Unwind the window's waiting micro-batches (the window is abandoned) and drop what it saved."""
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
-        for thread in self._threads:
-            thread.join()
+            self._cond.wait_for(lambda: self._live == 0)
         self._saved = []
         self._grads = {}
-
-    @property
-    def finished(self) -> bool:
-        """Whether every micro-batch has returned and the window's backward has run (or had nothing to do)."""
-        return len(self._results) == self.count and (self._backward_done or not self._grads)
 
     # -- the backward ---------------------------------------------------------------------------
 
@@ -319,6 +314,45 @@ class Window:
                 grads[position] = x.grad if layer > 0 else None
             remat.residency.release(layer, Pass.BACKWARD)
         self._grads = {}
+
+
+class Workers:
+    """Long-lived threads that run a window's micro-batches, one each, for the whole run.
+
+    Threads made per window would each take fresh per-thread CUDA library state (cuBLAS handles)
+    every window; these keep theirs.
+
+    Args:
+        count: Threads (the largest window).
+        device: The compute device, made current in each thread.
+    """
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self._queues: list[queue.SimpleQueue[Callable[[], None] | None]] = [queue.SimpleQueue() for _ in range(count)]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(jobs, device), name=f"block-major-{k}", daemon=True)
+            for k, jobs in enumerate(self._queues)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None], device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        while (job := jobs.get()) is not None:
+            job()
+
+    def submit(self, k: int, job: Callable[[], None]) -> None:
+        """Run ``job`` on thread ``k`` (after its earlier jobs)."""
+        self._queues[k].put(job)
+
+    def close(self) -> None:
+        """Stop the threads once their jobs are done."""
+        for jobs in self._queues:
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join()
 
 
 class _WindowTop(torch.autograd.Function):
@@ -385,4 +419,4 @@ def _draws_message(where: str) -> str:
     )
 
 
-__all__ = ["Window", "WindowError", "current_member"]
+__all__ = ["Window", "WindowError", "Workers", "current_member"]

@@ -1,0 +1,141 @@
+"""Block-major gradient accumulation against streaming per micro-batch and resident training, in one process.
+
+    python -m benchmarks.block_major --shape 72b --accumulate 4 --windows 2 --warmup 1 \
+        --arms resident blockwise blockwise:block_major --out results.jsonl
+
+The step benchmark's model (random-init NF4 of a real Qwen2.5 shape, LoRA r=16 on the seven projections,
+here without dropout: block-major accumulation refuses it), trained through ``Trainer.fit`` with
+``accumulate_grad_batches=G`` (bf16-mixed, batch 1, ``--seq`` tokens, AdamW) in each arm: ``resident`` (no
+checkpointing, the denominator), ``blockwise`` (streaming every micro-batch, defaults) and
+``blockwise:block_major`` (``block_major_accumulation=True``). Per optimizer step (a window of G micro-batches,
+timed from its first batch's start to its last batch's end, synchronized): wall time, time per micro-batch and
+host-to-device bytes (the streamer's counters); the medians over ``--windows`` windows after ``--warmup``, and
+the peak allocated memory over the measured windows. One JSON line per arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import DataLoader
+
+from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.recipes.random_init import random_nf4_model
+
+
+class WindowTimer(pl.Callback):
+    """Wall time and host-to-device bytes of each optimizer step's window of micro-batches."""
+
+    def __init__(self, accumulate: int, warmup: int) -> None:
+        self.accumulate, self.warmup = accumulate, warmup
+        self.times: list[float] = []
+        self.h2d: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx % self.accumulate:
+            return
+        torch.cuda.synchronize()
+        if idx == self.warmup * self.accumulate:
+            torch.cuda.reset_peak_memory_stats()
+        streamer = getattr(trainer.strategy, "streamer", None)
+        if streamer is not None:
+            streamer.reset_stats()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        idx = args[-1]
+        if (idx + 1) % self.accumulate or idx < self.warmup * self.accumulate:
+            return
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self._start)
+        streamer = getattr(trainer.strategy, "streamer", None)
+        self.h2d.append(streamer.stats.bytes if streamer is not None else 0)
+
+
+def run_arm(model: torch.nn.Module, arm: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    steps = (args.warmup + args.windows) * args.accumulate
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (1, args.seq), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids})
+    strategy: Any = "auto"
+    if arm.startswith("blockwise"):
+        strategy = BlockwiseStrategy(budget_tokens=args.seq, block_major_accumulation=arm.endswith(":block_major"))
+    timer = WindowTimer(args.accumulate, args.warmup)
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.windows,
+        accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer], deterministic=args.deterministic,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    fit_s = time.perf_counter() - start
+    window = statistics.median(timer.times)
+    return {
+        "s_per_window": window,
+        "s_per_micro_batch": window / args.accumulate,
+        "h2d_gb_per_window": statistics.median(timer.h2d) / 1e9,
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "windows": [round(t, 3) for t in timer.times],
+        "fit_s": fit_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--accumulate", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--arms", nargs="+", default=["resident", "blockwise", "blockwise:block_major"])
+    parser.add_argument("--out", default=None, help="append the JSON lines here")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    config = SHAPES[args.shape]()
+    start = time.perf_counter()
+    model = get_peft_model(
+        random_nf4_model(config, device),
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS),
+    )
+    print(f"built {args.shape} in {time.perf_counter() - start:.0f} s", flush=True)
+    rows = []
+    for arm in args.arms:
+        model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
+        torch.cuda.empty_cache()
+        row = {
+            "shape": args.shape,
+            "seq": args.seq,
+            "accumulate": args.accumulate,
+            "mode": "deterministic" if args.deterministic else "default",
+            "arm": arm,
+            "device": torch.cuda.get_device_name(),
+            **run_arm(model, arm, args, config.vocab_size),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(json.dumps(row) + "\n")
+    resident = next((r for r in rows if r["arm"] == "resident"), None)
+    for row in rows:
+        ratio = f"{row['s_per_micro_batch'] / resident['s_per_micro_batch']:.2f}x" if resident else "-"
+        print(
+            f"| {row['arm']} | {row['s_per_micro_batch']:.3f} s | {ratio} | {row['h2d_gb_per_window']:.1f} GB |"
+            f" {row['peak_gb']:.2f} GB |"
+        )
+
+
+if __name__ == "__main__":
+    main()
