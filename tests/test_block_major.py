@@ -180,3 +180,35 @@ class _Manual(CausalLMModule):
 def test_manual_optimization_refused(checkpoint: Path) -> None:
     with pytest.raises(MisconfigurationException, match="automatic optimization"):
         fit(_module(checkpoint, _Manual), _blockwise(block_major_accumulation=True), accumulate_grad_batches=2)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Batches without a length: Lightning's fetcher then holds the next batch ahead (NOTE [ A window's batches ])."""
+
+    def __init__(self, batches: list[dict[str, Tensor]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+
+def test_loader_without_length(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An iterable loader of 7 batches: windows of 4 and 3 (found at the stream's end), exact to resident."""
+    sizes = []
+    init = block_major.Window.__init__
+
+    def recording_init(self: block_major.Window, count: int, *args: Any) -> None:
+        sizes.append(count)
+        init(self, count, *args)
+
+    monkeypatch.setattr(block_major.Window, "__init__", recording_init)
+    runs = []
+    for strategy in ("auto", _blockwise(block_major_accumulation=True)):
+        module = _module(checkpoint)
+        run = trainer(strategy, accumulate_grad_batches=ACCUMULATE, max_steps=-1, max_epochs=1)
+        seed_everything(0, verbose=False)
+        run.fit(module, DataLoader(_Stream(padded_batches(7)), batch_size=None))
+        assert run.global_step == 2 and len(module.losses) == 7
+        runs.append(collect(module, trainer_optimizer(module)))
+    assert sizes == [4, 3]
+    assert_equal_runs(runs[1], runs[0])
