@@ -8,6 +8,14 @@ Reports the median step time after warm-up, `torch.cuda.max_memory_allocated` ov
 measured steps (reset after warm-up), and host-to-device bytes per step.
 
     python benchmarks/step_benchmark.py --shapes 7b 32b [--deterministic] [--arms ...] [--seq 512]
+        [--bases nf4 dense] [--accumulate G]
+
+Bases: `nf4` (default) as above; `dense`, the same shape random-init in bf16 on the GPU with its own
+init (nothing quantized; ~2 bytes per parameter: a 32B base is 65 GB on the GPU while it is built,
+then the blockwise arms move its layers into a 62 GB pinned host arena), what
+`load_blockwise(quantize=False)` gives. With `--accumulate G` each optimizer step takes G
+micro-batches (`Trainer(accumulate_grad_batches=G)`): `s_per_step` is then the mean time per
+micro-batch over the measured optimizer steps, and `h2d_gb_per_step` the bytes per optimizer step.
 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
@@ -35,6 +43,9 @@ from torch.utils.data import DataLoader
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.recipes.random_init import random_nf4_model
+
+#: The frozen bases a shape can be built as: NF4 with double quantization, or dense bf16.
+BASES = ("nf4", "dense")
 
 SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "7b": lambda: transformers.Qwen2Config(
@@ -75,6 +86,7 @@ class StepTimer(pl.Callback):
     """Wall time of each training step (synchronized) and peak allocated VRAM after the warm-up."""
 
     def __init__(self, warmup: int) -> None:
+        #: Micro-batches of warm-up (optimizer steps times ``accumulate_grad_batches``).
         self.warmup = warmup
         self.times: list[float] = []
         self.h2d_bytes: list[int] = []
@@ -96,11 +108,17 @@ class StepTimer(pl.Callback):
             self.h2d_bytes.append(streamer.stats.bytes if streamer is not None else 0)
 
 
-def build_model(shape: str, device: torch.device) -> tuple[nn.Module, transformers.PretrainedConfig]:
-    """The benchmark's model: random-init NF4 of ``shape`` (seed 0) with LoRA r=16 on the seven projections."""
+def build_model(shape: str, device: torch.device, base: str = "nf4") -> tuple[nn.Module, transformers.PretrainedConfig]:
+    """The benchmark's model: random-init ``base`` of ``shape`` (seed 0) with LoRA r=16 on the seven projections."""
     torch.manual_seed(0)
     config = SHAPES[shape]()
-    model = get_peft_model(random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    if base == "dense":
+        # The model's own init, on the device: what a bf16 checkpoint loads as, without a checkpoint on disk.
+        with torch.device(device):
+            frozen = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    else:
+        frozen = random_nf4_model(config, device)
+    model = get_peft_model(frozen, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
     return model, config
 
 
@@ -126,7 +144,14 @@ def forward_nograd(model: nn.Module, steps: int, warmup: int, vocab: int, seq: i
 
 
 def run_arm(
-    model: nn.Module, arm: str, steps: int, warmup: int, vocab: int, deterministic: bool, seq: int = 512
+    model: nn.Module,
+    arm: str,
+    steps: int,
+    warmup: int,
+    vocab: int,
+    deterministic: bool,
+    seq: int = 512,
+    accumulate: int = 1,
 ) -> dict[str, float]:
     if arm == "forward_nograd":
         return forward_nograd(model, steps, warmup, vocab, seq)
@@ -135,10 +160,10 @@ def run_arm(
         model.enable_input_require_grads()
     gen = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(warmup + steps):
+    for _ in range((warmup + steps) * accumulate):
         ids = torch.randint(0, vocab, (1, seq), generator=gen)
         batches.append({"input_ids": ids, "labels": ids})
-    timer = StepTimer(warmup)
+    timer = StepTimer(warmup * accumulate)
     strategy: Any = "auto"
     if arm.startswith("blockwise"):
         _, block_size, prefetch_depth, *budget = arm.split(":")
@@ -149,7 +174,7 @@ def run_arm(
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[timer], deterministic=deterministic,
+        callbacks=[timer], deterministic=deterministic, accumulate_grad_batches=accumulate,
     )  # fmt: skip
     trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
     if isinstance(strategy, BlockwiseStrategy):
@@ -165,11 +190,17 @@ def run_arm(
     if arm == "resident_ckpt":
         model.gradient_checkpointing_disable()
     torch.cuda.empty_cache()
-    median = statistics.median(timer.times)
-    h2d = statistics.median(timer.h2d_bytes) / 1e9
+    if accumulate == 1:
+        median = statistics.median(timer.times)
+        h2d = statistics.median(timer.h2d_bytes) / 1e9
+    else:
+        # Micro-batches of one optimizer step differ (the last one steps the optimizer; a block-major run copies
+        # in some of them only): whole optimizer steps are what compares.
+        median = sum(timer.times) / len(timer.times)
+        h2d = sum(timer.h2d_bytes) / steps / 1e9
     row = {
         "s_per_step": median, "peak_gb": peak, "tokens_per_s": seq / median,
-        "h2d_gb_per_step": h2d, "h2d_gb_per_s": h2d / median,
+        "h2d_gb_per_step": h2d, "h2d_gb_per_s": h2d / (median * accumulate),
     }  # fmt: skip
     if isinstance(strategy, BlockwiseStrategy) and strategy.residency_plan is not None:
         row.update(resident_blocks=len(strategy.residency_plan.resident), kept_blocks=len(strategy.residency_plan.kept))
@@ -184,35 +215,46 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="resident, resident_ckpt, blockwise:B:D")
+    parser.add_argument("--bases", nargs="+", default=["nf4"], choices=BASES, help="frozen bases to build (nf4)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (1)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    if args.accumulate < 1:
+        parser.error(f"--accumulate {args.accumulate} must be at least 1")
     if args.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         parser.error("--deterministic needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment (cuBLAS reads it once)")
     device = torch.device("cuda")
     mode = "deterministic" if args.deterministic else "default"
     rows = []
     for shape in args.shapes:
-        model, config = build_model(shape, device)
-        for arm in args.arms:
-            model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
-            result = run_arm(model, arm, args.steps, args.warmup, config.vocab_size, args.deterministic, args.seq)
-            rows.append({"shape": shape, "seq": args.seq, "mode": mode, "arm": arm, **result})
-            print(json.dumps(rows[-1]), flush=True)
-        del model
-        torch.cuda.empty_cache()
+        for base in args.bases:
+            model, config = build_model(shape, device, base)
+            for arm in args.arms:
+                model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
+                result = run_arm(
+                    model, arm, args.steps, args.warmup, config.vocab_size, args.deterministic, args.seq,
+                    args.accumulate,
+                )  # fmt: skip
+                rows.append({"shape": shape, "base": base, "seq": args.seq, "accumulate": args.accumulate,
+                             "mode": mode, "arm": arm, **result})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+            del model
+            torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | mode {mode}")
-    print("| shape | arm | s/step | tokens/s | peak GB | H2D GB/step | H2D GB/s | vs resident (no ckpt) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    per = "micro-batch" if args.accumulate > 1 else "step"
+    print(f"| shape | base | arm | s/{per} | tokens/s | peak GB | H2D GB/step | H2D GB/s | vs resident (no ckpt) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        ref = next((r for r in rows if r["shape"] == row["shape"] and r["arm"] == "resident"), row)
+        same = [r for r in rows if r["shape"] == row["shape"] and r["base"] == row["base"]]
+        ref = next((r for r in same if r["arm"] == "resident"), row)
         print(
-            f"| {row['shape']} | {row['arm']} | {row['s_per_step']:.3f} | {row['tokens_per_s']:.0f} |"
+            f"| {row['shape']} | {row['base']} | {row['arm']} | {row['s_per_step']:.3f} | {row['tokens_per_s']:.0f} |"
             f" {row['peak_gb']:.2f} | {row['h2d_gb_per_step']:.2f} | {row['h2d_gb_per_s']:.1f} |"
             f" {row['s_per_step'] / ref['s_per_step']:.2f}x |"
         )
         if row["arm"] == "forward_nograd" and ref is not row:
             floor = (row["s_per_step"] + ref["s_per_step"]) / ref["s_per_step"]
-            print(f"| {row['shape']} | recompute floor | | | | | | {floor:.2f}x |")
+            print(f"| {row['shape']} | {row['base']} | recompute floor | | | | | | {floor:.2f}x |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -21,9 +21,11 @@ from transformers import PreTrainedModel
 #: the usual QLoRA recipe. Phi-3 fuses them (``qkv_proj``, ``gate_up_proj``).
 LLAMA_STYLE_PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-#: ``config.model_type`` values whose blockwise training is tested bit-identical to resident training.
+#: ``config.model_type`` values whose blockwise training is tested bit-identical to resident training. ``qwen3_moe``:
+#: LoRA on attention (NF4) and on the fused bf16 experts (PEFT ``target_parameters``), without router logits
+#: (NOTE [ Router logits ]).
 VALIDATED_MODEL_TYPES: frozenset[str] = frozenset(
-    {"qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3"}
+    {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"}
 )
 
 
@@ -112,8 +114,10 @@ def check_trainable(stack: DecoderStack) -> None:
 
     Raises:
         MisconfigurationException: If a trainable parameter in a decoder layer is not an
-            adapter (the base must be frozen), or if no adapter parameter is trainable.
+            adapter (the base must be frozen), if no adapter parameter is trainable, or if an MoE
+            model is configured to return its router logits (NOTE [ Router logits ]).
     """
+    _refuse_router_logits(stack)
     num_adapters = 0
     for index, layer in enumerate(stack.layers):
         adapters = {id(p) for p in adapter_parameters(layer).values()}
@@ -132,6 +136,27 @@ def check_trainable(stack: DecoderStack) -> None:
             "BlockwiseStrategy found no trainable adapter in the decoder layers: there is nothing to train. Wrap the"
             " model with `peft.get_peft_model(model, LoraConfig(target_modules=[...]))` targeting modules inside"
             " the decoder layers."
+        )
+
+
+# NOTE [ Router logits ]
+# With `output_router_logits=True` an MoE causal LM (qwen3_moe, ...) collects each layer's router
+# logits through transformers' output recorder (a forward hook on the router) and adds
+# `router_aux_loss_coef * load_balancing_loss` to the loss. Blockwise, the hook fires in the
+# layer's no-grad forward (replay/remat.py), so the recorded logits carry no graph: the loss
+# value is the resident one, but none of the auxiliary loss's gradient reaches the adapters and
+# training drifts from the first optimizer step (tests/test_moe.py shows it). Returning the
+# logits as differentiable outputs of the rematerialized layer would fix it; until then it is
+# refused here, from the config, at fit start. A per-call `model(..., output_router_logits=True)`
+# is not seen here.
+def _refuse_router_logits(stack: DecoderStack) -> None:
+    if getattr(stack.model.config, "output_router_logits", False):
+        raise MisconfigurationException(
+            f"BlockwiseStrategy cannot train {stack.model_type!r} with `config.output_router_logits=True`: the"
+            " router logits are recorded in the layers' no-grad forward, so the auxiliary load-balancing loss would"
+            " change the loss but none of its gradient would reach the adapters, unlike resident training. Set"
+            " `model.config.output_router_logits = False` (the auxiliary loss is then left out, as under any"
+            " strategy), or train this model resident."
         )
 
 

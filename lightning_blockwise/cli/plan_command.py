@@ -66,6 +66,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             offload_activations=_OFFLOAD_CHOICES[options.offload_activations],
             loss_chunk_tokens=options.loss_chunk_tokens,
             mlp_tile_tokens=options.mlp_tile_tokens,
+            quantize=not options.dense,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -90,6 +91,7 @@ def plan_report(
     offload_activations: bool | None = None,
     loss_chunk_tokens: int | None = None,
     mlp_tile_tokens: int | None = None,
+    quantize: bool = True,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -112,6 +114,8 @@ def plan_report(
             (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
         mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (:func:`~lightning_blockwise.tiling.tile_mlps`);
             ``None``: untiled.
+        quantize: ``False``: a dense base in ``dtype`` (``load_blockwise(quantize=False)``,
+            ``CausalLMFineTune(quantize=False)``); else NF4 with double quantization.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
@@ -124,6 +128,7 @@ def plan_report(
             lora_rank=lora_rank,
             targets=targets,
             dora=dora,
+            quantize=quantize,
         )
     except ValueError as error:
         # How `model_sizes` refuses targets the layers lack, and transformers a config it cannot build: the
@@ -154,6 +159,7 @@ def plan_report(
     offload_host_bytes = step.offload_host_bytes
     report: dict[str, Any] = {
         "model_type": sizes.model_type,
+        "base": "nf4" if quantize else "dense",
         "num_layers": sizes.num_layers,
         "tokens": tokens,
         "block_size": block_size,
@@ -230,7 +236,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser = _PlanParser(
         prog=f"lightning-blockwise {PLAN_COMMAND}",
         description="Predict a blockwise run's host RAM and training-step VRAM peak from a checkpoint's config"
-        " (no weights are read): the frozen base as bitsandbytes NF4 with double quantization, fp32 LoRA adapters"
+        " (no weights are read): the frozen base as bitsandbytes NF4 with double quantization (or dense with"
+        " --dense), fp32 LoRA adapters"
         " with their gradients and AdamW state, under bf16 autocast. The peak is torch's max allocated memory; the"
         " CUDA context and the caching allocator need more on the card.",
     )
@@ -255,10 +262,18 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dora", action="store_true", help="DoRA adapters (adds a magnitude vector per linear).")
     parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="A dense base: no tensor quantized, all in --dtype (load_blockwise(quantize=False), the module's"
+        " quantize: false; about 3.6x the host bytes of NF4). Default: NF4, tensors bitsandbytes does not quantize"
+        " (norms, fused MoE experts) in --dtype.",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
         default=None,
-        help="Dtype of the unquantized tensors: norms, biases, LM head (default: the config's, else bfloat16).",
+        help="Dtype of the unquantized tensors: norms, biases, LM head, every tensor with --dense (default: the"
+        " config's, else bfloat16).",
     )
     parser.add_argument("--block-size", type=_positive_int, default=1, help="Decoder layers per block (default: 1).")
     parser.add_argument("--prefetch-depth", type=_positive_int, default=2, help="Blocks copied ahead (default: 2).")

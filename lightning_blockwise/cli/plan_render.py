@@ -59,6 +59,7 @@ def print_report(report: dict[str, Any]) -> None:
     blocks = ", ".join(f"{sizes.count(n)} x {n / 1e6:.1f} MB" for n in distinct)
     rows = [
         ("model", f"{report['model_type']}, {report['num_layers']} decoder layers"),
+        ("base", "NF4 + double quant" if report.get("base", "nf4") == "nf4" else "dense, every tensor unquantized"),
         ("step", f"{report['tokens']} tokens per micro-batch"),
         ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
         ("layer inputs", _inputs_text(report)),
@@ -92,7 +93,7 @@ def print_report(report: dict[str, Any]) -> None:
         width = max(len(name) for name, _ in rows)
         print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
         return
-    table = Table(title="lightning-blockwise plan (predicted, NF4 + double quant)")
+    table = Table(title="lightning-blockwise plan (predicted)")
     table.add_column("quantity")
     table.add_column("value", overflow="fold")
     for name, value in rows:

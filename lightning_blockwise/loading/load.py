@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from lightning_blockwise.compat.bitsandbytes import is_4bit_weight
+from lightning_blockwise.loading.conversions import CheckpointMap
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
-from lightning_blockwise.loading.meta_model import build_meta_model, check_keys, load_rest, named_tensors, set_tensor
+from lightning_blockwise.loading.meta_model import build_meta_model, check_keys, load_rest, load_tensors, tensor_names
 from lightning_blockwise.loading.nf4 import deserialize_weight, quantize_weight
 from lightning_blockwise.loading.packing import (
     bind_shared_block,
@@ -55,8 +56,9 @@ def load_blockwise(
     quantization_config: BitsAndBytesConfig | None = None,
     progress: bool = True,
     share: bool = True,
+    quantize: bool = True,
 ) -> PreTrainedModel:
-    """Load a local causal-LM checkpoint as NF4, its decoder layers straight into a host arena.
+    """Load a local causal-LM checkpoint as NF4 (or dense), its decoder layers straight into a host arena.
 
     The result is the model ``AutoModelForCausalLM.from_pretrained(path, quantization_config=...,
     dtype=compute_dtype)`` gives, byte for byte (NOTE [ Same bytes as from_pretrained ] in nf4.py), except
@@ -65,6 +67,13 @@ def load_blockwise(
     ``BlockwiseStrategy(block_size=block_size)`` reuses that arena instead of packing again
     and moves the rest to its device. The model is returned in train mode (NOTE [ bitsandbytes
     CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py); attach PEFT adapters to it as usual.
+
+    With ``quantize=False`` (a dense base) nothing is quantized: every tensor loads in the dtype
+    ``from_pretrained(path, dtype=compute_dtype)`` gives it, read from the memory-mapped shards on
+    the host, never on the device, and the result is that model byte for byte, its layers in the
+    arena. Tensors bitsandbytes does not quantize load the same way in a 4-bit load: a ``qwen3_moe``
+    base is mixed, attention NF4 and its fused 3-D experts in ``compute_dtype`` (the checkpoint's
+    per-expert weights are fused as ``from_pretrained`` fuses them: ``loading/conversions.py``).
 
     Args:
         path: A local Hugging Face checkpoint directory: ``config.json`` and ``model.safetensors``,
@@ -87,13 +96,16 @@ def load_blockwise(
             the arena, the others wait for it, load block by block to check the bytes, and map its pages
             read-only instead of keeping copies of their own (NOTE [ One host copy per machine ] in
             residency/shared_arena.py). Linux only; elsewhere every process keeps its own copy.
+        quantize: Quantize the 4-bit linears to NF4 (default). ``False``: a dense base, every tensor in
+            ``compute_dtype`` (about 3.6x the host bytes of NF4); an unquantized checkpoint only.
 
     Returns:
-        The model, in train mode, with ``is_loaded_in_4bit`` set.
+        The model, in train mode, with ``is_loaded_in_4bit`` set unless ``quantize=False``.
 
     Raises:
         MisconfigurationException: If the checkpoint is missing or incomplete, the settings are not
-            4-bit NF4, or the arena does not fit the available host RAM (checked from ``config.json``
+            4-bit NF4, ``quantize=False`` meets a ``quantization_config`` or a pre-quantized checkpoint,
+            or the arena does not fit the available host RAM (checked from ``config.json``
             before any tensor is read).
         ValueError: If a shard is corrupt, or a tensor is unexpected, missing or of an unsupported dtype.
 
@@ -112,7 +124,9 @@ def load_blockwise(
     # (the non-layer modules, computed buffers such as rotary frequencies, the arena) is host memory, whatever
     # the caller's default device.
     with torch.device("cpu"):
-        return _load_blockwise(Path(path), compute_dtype, device, block_size, quantization_config, progress, share)
+        return _load_blockwise(
+            Path(path), compute_dtype, device, block_size, quantization_config, progress, share, quantize
+        )
 
 
 def _load_blockwise(
@@ -123,14 +137,15 @@ def _load_blockwise(
     quantization_config: BitsAndBytesConfig | None,
     progress: bool,
     share: bool,
+    quantize: bool,
 ) -> PreTrainedModel:
     start = time.perf_counter()
     if block_size < 1:
         raise ValueError(f"load_blockwise: block_size={block_size} must be at least 1.")
     device = torch.device(device) if device is not None else _default_device()
     config = load_config(path)
-    bnb_config, pre_quantized = resolve_quantization(config, quantization_config, compute_dtype)
-    if pre_quantized:
+    bnb_config, pre_quantized = resolve_quantization(config, quantization_config, compute_dtype, quantize)
+    if pre_quantized and bnb_config is not None:
         compute_dtype = saved_dtype(config, bnb_config)
         if compute_dtype != bnb_config.bnb_4bit_compute_dtype:
             log.warning(
@@ -147,10 +162,10 @@ def _load_blockwise(
     sizes, predicted = predict_slabs(path, layers, ranges, check_ram=shared is None)
 
     with open_checkpoint(checkpoint_files(path)) as keys:
-        check_keys(model, keys, prefixes, pre_quantized)
+        found = check_keys(model, keys, prefixes, pre_quantized)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        load_rest(model, keys, prefixes, compute_dtype)
+        load_rest(model, found, keys, prefixes)
         host = shared if shared is not None else HostArena(sizes, pin=device.type == "cuda")
         if [slab.numel() for slab in host.slabs] != sizes:
             raise RuntimeError(f"load_blockwise: the shared host copy of `{path}` has other block sizes; a bug.")
@@ -158,7 +173,7 @@ def _load_blockwise(
         bar = tqdm(total=predicted, unit="B", unit_scale=True, desc="load_blockwise", disable=not progress)
         for layer_range, slab in zip(ranges, host.slabs, strict=True):
             for index in layer_range:
-                _load_layer(layers[index], prefixes[index], keys, device, compute_dtype, pre_quantized)
+                _load_layer(layers[index], prefixes[index], found, keys, device, compute_dtype, pre_quantized)
                 bar.update(predict_block_bytes([layers[index]]))
             bind_or_pack = bind_shared_block if shared is not None else pack_block
             layouts.append(bind_or_pack(layers, layer_range, slab))
@@ -167,12 +182,14 @@ def _load_blockwise(
     owner = serve_or_release(share_claim, host, {"path": str(path), "blocks": len(ranges)})
     copy = HostCopy(layer_ranges=ranges, layouts=tuple(layouts), arena=host, block_size=block_size, serving=owner)
     attach_host_copy(model, copy)
-    model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
-    model.config.quantization_config = bnb_config
+    if bnb_config is not None:
+        model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
+        model.config.quantization_config = bnb_config
     model.train()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     log.info(
-        f"load_blockwise: {len(layers)} layers of `{path}` in {time.perf_counter() - start:.1f} s; host arena"
+        f"load_blockwise: {len(layers)} {'dense' if bnb_config is None else 'NF4'} layers of `{path}` in"
+        f" {time.perf_counter() - start:.1f} s; host arena"
         f" {host.nbytes / 1e9:.3f} GB ({host.bytes_needed / 1e9:.3f} GB needed, {len(ranges)} blocks of"
         f" {block_size}, pinned={host.pinned}, {_sharing(share_claim, shared)});"
         f" {'device' if device.type == 'cuda' else 'no device'} load peak"
@@ -192,21 +209,31 @@ def _default_device() -> torch.device:
 
 
 def _load_layer(
-    layer: nn.Module, prefix: str, keys: dict[str, Any], device: torch.device, dtype: torch.dtype, pre_quantized: bool
+    layer: nn.Module,
+    prefix: str,
+    found: CheckpointMap,
+    keys: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    pre_quantized: bool,
 ) -> None:
-    """Materialize one decoder layer on the host: 4-bit weights quantized on ``device`` (or deserialized)."""
-    names = {id(module): name for name, module in layer.named_modules()}
-    for owner, attr, is_param in list(named_tensors(layer)):
-        key = prefix + ".".join(filter(None, (names[id(owner)], attr)))
-        if is_4bit_weight(owner, attr):
-            if pre_quantized:
-                deserialize_weight(owner, key, keys)
-            else:
-                quantize_weight(owner, key, keys, device, dtype)
-            continue
-        tensor = keys[key].get_tensor(key)
-        # Frozen: the arena holds a copy that training would not update (PEFT freezes them anyway).
-        set_tensor(owner, attr, is_param, tensor.to(dtype) if tensor.is_floating_point() else tensor, frozen=True)
+    """Materialize one decoder layer on the host: 4-bit weights quantized on ``device`` (or deserialized).
+
+    Every other tensor (all of them in a dense load) is read on the host in its meta dtype, as
+    ``from_pretrained(device_map="cpu")`` reads it.
+    """
+    tensors = tensor_names(layer, prefix)
+    rest = {}
+    for name, (owner, attr, is_param) in tensors.items():
+        if not is_4bit_weight(owner, attr):
+            rest[name] = (owner, attr, is_param)
+        elif pre_quantized:
+            deserialize_weight(owner, found.sources[name].inputs[0][0], keys)
+        else:
+            (value,) = found.sources[name].read(keys, device, dtype).values()
+            quantize_weight(owner, value, device)
+    # Frozen: the arena holds a copy that training would not update (PEFT freezes them anyway).
+    load_tensors(found, rest, keys, torch.device("cpu"), frozen=True)
 
 
 # `predict_block_bytes` lived here before the load was split into steps; it stays importable from here.

@@ -29,20 +29,15 @@ from lightning_blockwise.compat.bitsandbytes import (
 # through `Params4bit.from_prequantized` as `Bnb4bitDeserialize` does. Only the placement
 # differs: the results are moved to the host (the same `Params4bit` and `QuantState` objects)
 # and packed into the arena.
-def quantize_weight(
-    module: nn.Module, key: str, keys: dict[str, Any], device: torch.device, dtype: torch.dtype
-) -> None:
+def quantize_weight(module: nn.Module, value: torch.Tensor, device: torch.device) -> None:
     """Quantize one weight on ``device`` as transformers' ``Bnb4bitQuantize`` does, then move it to the host.
 
     Args:
         module: The ``Linear4bit`` whose (meta) weight it is.
-        key: The weight's checkpoint key.
-        keys: Checkpoint key -> the open shard that holds it.
+        value: The unquantized weight, already cast to the load dtype on ``device`` in one ``.to``
+            (NOTE [ Same bytes as from_pretrained ]; ``TensorSource.read`` in conversions.py does it).
         device: Where to quantize.
-        dtype: The dtype to cast the weight to first.
     """
-    # NOTE [ Same bytes as from_pretrained ]: cast on the device in one `.to`, then quantize.
-    value = keys[key].get_tensor(key).to(device=device, dtype=dtype)
     weight = quantize_like(module.weight, value, device)
     del value
     move_to_host(weight)

@@ -55,7 +55,7 @@ def predict_slabs(
     available = arena_module.available_host_memory()
     if check_ram and predicted > available - arena_module.HOST_RAM_RESERVE:
         raise MisconfigurationException(
-            f"load_blockwise: the NF4 decoder layers of `{path}` need a {predicted / 1e9:.2f} GB host arena (predicted"
+            f"load_blockwise: the decoder layers of `{path}` need a {predicted / 1e9:.2f} GB host arena (predicted"
             f" from config.json), but only {available / 1e9:.2f} GB of host RAM are available (keeping"
             f" {arena_module.HOST_RAM_RESERVE / 1e9:.1f} GB in reserve). Free host memory or use a machine with more"
             " RAM."

@@ -20,18 +20,18 @@ _LAYOUT_VERSION = 1
 def share_key(
     path: Path,
     block_size: int,
-    bnb_config: BitsAndBytesConfig,
+    bnb_config: BitsAndBytesConfig | None,
     compute_dtype: torch.dtype,
     pre_quantized: bool,
 ) -> str:
     """What a load's host copy is shared under: the checkpoint (its files' sizes and times) and every setting.
 
-    Two loads share a copy only if the same files, unchanged, load with the same block size, 4-bit settings and
-    dtype; ``bind_shared_block`` still compares every block's bytes. The files are listed, not opened: a load
-    that does not fit the host RAM is refused before any shard is read.
+    Two loads share a copy only if the same files, unchanged, load with the same block size, 4-bit settings (none:
+    dense) and dtype; ``bind_shared_block`` still compares every block's bytes. The files are listed, not opened: a
+    load that does not fit the host RAM is refused before any shard is read.
     """
     parts: list[object] = [_LAYOUT_VERSION, path.resolve(), block_size, compute_dtype, pre_quantized]
-    parts.append(bnb_config.to_json_string(use_diff=False))
+    parts.append("dense" if bnb_config is None else bnb_config.to_json_string(use_diff=False))
     for file in sorted(path.resolve().glob("*.safetensors*")):
         stat = file.stat()
         parts += [file, stat.st_size, stat.st_mtime_ns]

@@ -2,7 +2,10 @@
 
 The model is built on the meta device (shapes and dtypes, no memory, no weights), and
 each tensor's bytes are computed the way loading it with bitsandbytes NF4 and double
-quantization would store it (NOTE [ NF4 bytes ] in compat/bitsandbytes/formats.py). The decoder
+quantization would store it (NOTE [ NF4 bytes ] in compat/bitsandbytes/formats.py), or for a
+dense base (``quantize=False``, ``load_blockwise(quantize=False)``) in its own dtype. Tensors that
+bitsandbytes does not quantize (norms, the fused 3-D experts of ``qwen3_moe``) are counted in their
+own dtype either way: a mixed base is sized from its real per-tensor dtypes. The decoder
 layers' frozen tensors are found by the same walk as the strategy's layout
 (:func:`~lightning_blockwise.residency.layout.frozen_tensors`) and laid out at the same offsets, so
 :meth:`ModelSizes.block_bytes` equals the strategy's ``layout.nbytes`` exactly.
@@ -43,12 +46,13 @@ def model_sizes(
     targets: Iterable[str] | None = None,
     dora: bool = False,
     double_quant: bool = True,
+    quantize: bool = True,
 ) -> ModelSizes:
-    """Bytes of the NF4 model ``config`` describes, with LoRA adapters, without loading any weight.
+    """Bytes of the NF4 (or dense) model ``config`` describes, with LoRA adapters, without loading any weight.
 
     Every ``nn.Linear`` but the LM head is counted as bitsandbytes NF4 (what
     ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` does),
-    everything else in ``dtype``.
+    everything else in ``dtype``; with ``quantize=False`` every tensor in ``dtype``.
 
     Args:
         config: The model's config (e.g. ``AutoConfig.from_pretrained(checkpoint_dir)``).
@@ -58,6 +62,7 @@ def model_sizes(
             (``q_proj``, ...); default all of them.
         dora: Count DoRA's magnitude vector (one fp32 per output feature) as well.
         double_quant: ``bnb_4bit_use_double_quant``.
+        quantize: ``False``: a dense base, no tensor quantized (``load_blockwise(quantize=False)``).
 
     Raises:
         MisconfigurationException: If the config has no decoder stack (see
@@ -87,7 +92,7 @@ def model_sizes(
     layer_tensors = []
     trainable = 0
     for layer in stack.layers:
-        layer_tensors.append(tuple(_frozen_bytes(layer, head, double_quant)))
+        layer_tensors.append(tuple(_frozen_bytes(layer, head, double_quant, quantize)))
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear) and (wanted is None or name.rsplit(".", 1)[-1] in wanted):
                 per_rank = module.in_features + module.out_features
@@ -104,12 +109,13 @@ def model_sizes(
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            if isinstance(module, nn.Linear) and module is not head and tensor is module.weight:
+            if quantize and isinstance(module, nn.Linear) and module is not head and tensor is module.weight:
                 device += sum(nf4_tensor_bytes(tensor.numel(), double_quant))
             else:
                 device += tensor.numel() * tensor.element_size()
-    linears = sum(isinstance(m, nn.Linear) and m is not head for m in model.modules())
-    device += linears * code_table_bytes(double_quant)
+    if quantize:
+        linears = sum(isinstance(m, nn.Linear) and m is not head for m in model.modules())
+        device += linears * code_table_bytes(double_quant)
 
     return ModelSizes(
         model_type=str(config.model_type),
@@ -141,15 +147,17 @@ def _tensors(module: nn.Module | None, recurse: bool = True) -> Iterator[torch.T
     yield from module.buffers(recurse=recurse)
 
 
-def _frozen_bytes(layer: nn.Module, head: nn.Module | None, double_quant: bool) -> Iterator[int]:
+def _frozen_bytes(layer: nn.Module, head: nn.Module | None, double_quant: bool, quantize: bool) -> Iterator[int]:
     """The bytes of a decoder layer's frozen tensors, in ``layout_block``'s order.
 
-    The walk of :func:`~lightning_blockwise.residency.layout.frozen_tensors`, every linear but the head counted as NF4.
+    The walk of :func:`~lightning_blockwise.residency.layout.frozen_tensors`, every linear but the head counted as
+    NF4 when ``quantize``, every other tensor (all of them when not) in its own dtype.
     """
     nf4 = Nf4Format(double_quant=double_quant)
 
     def as_nf4(module: nn.Module, name: str, tensor: torch.Tensor) -> Nf4Format | None:
-        return nf4 if isinstance(module, nn.Linear) and module is not head and name == "weight" else None
+        quantized = quantize and isinstance(module, nn.Linear) and module is not head and name == "weight"
+        return nf4 if quantized else None
 
     return (tensor.nbytes for tensor in frozen_tensors([layer], nf4=as_nf4))
 

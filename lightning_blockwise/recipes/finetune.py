@@ -1,4 +1,4 @@
-"""``CausalLMFineTune``: LoRA on a local Hugging Face checkpoint loaded as NF4, the module the ``configs/`` YAMLs train.
+"""``CausalLMFineTune``: LoRA on a local Hugging Face checkpoint loaded as NF4 (or dense), the module the YAMLs train.
 
 Example::
 
@@ -56,7 +56,12 @@ class CausalLMFineTune(pl.LightningModule):
         lora_dropout: Dropout on the adapters' input.
         use_dora: DoRA instead of LoRA (its magnitude vectors are adapters too; blockwise DoRA passes the same
             parity tests as LoRA).
-        compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``), and the
+            dtype of a dense base.
+        quantize: Load the base as NF4 (default). ``False``: a dense base in ``compute_dtype`` (about 3.6x the
+            host bytes of NF4; exact LoRA on the real weights rather than their 4-bit approximation), loaded
+            as ``load_blockwise(quantize=False)`` or ``from_pretrained(dtype=...)`` loads it; the checkpoint
+            must be unquantized.
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: Optimizer steps of linear warmup before the cosine decay.
@@ -70,7 +75,8 @@ class CausalLMFineTune(pl.LightningModule):
             quantized too, which ``load_blockwise`` refuses); ``"blockwise"``: always ``load_blockwise``.
         random_init: Build the model from ``checkpoint``'s ``config.json`` with random weights instead of
             loading them (a real shape without its weights: smoke runs and memory checks); see
-            :func:`~lightning_blockwise.recipes.random_init.random_nf4_model`. Seeded by ``seed_everything``.
+            :func:`~lightning_blockwise.recipes.random_init.random_nf4_model`, or with ``quantize=False`` a
+            dense model built on the CPU. Seeded by ``seed_everything``.
         loss_chunk_tokens: Train and validate on
             :func:`~lightning_blockwise.loss.chunked_causal_lm_loss` with this many rows of logits at a time,
             never the full-vocabulary logits (long context); ``None``: the model's own loss. It changes the
@@ -111,6 +117,7 @@ class CausalLMFineTune(pl.LightningModule):
         overwrite_adapter: bool = False,
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
+        quantize: bool = True,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -129,7 +136,7 @@ class CausalLMFineTune(pl.LightningModule):
         self.strict_loading = False
 
     def configure_model(self) -> None:
-        """Load (or build) the NF4 base and add the adapters (once).
+        """Load (or build) the NF4 (or dense) base and add the adapters (once).
 
         Raises:
             MisconfigurationException: If ``loader="blockwise"`` is asked for under another strategy.
@@ -148,14 +155,22 @@ class CausalLMFineTune(pl.LightningModule):
             )
         if hp.random_init:
             config = AutoConfig.from_pretrained(hp.checkpoint, local_files_only=True)
-            base = random_nf4_model(config, device, compute_dtype=dtype)
+            base = (
+                random_nf4_model(config, device, compute_dtype=dtype) if hp.quantize else _random_dense(config, dtype)
+            )
         elif blockwise and hp.loader != "standard":
             assert isinstance(strategy, BlockwiseStrategy)
-            base = load_blockwise(hp.checkpoint, compute_dtype=dtype, device=device, block_size=strategy.block_size)
+            base = load_blockwise(
+                hp.checkpoint,
+                compute_dtype=dtype,
+                device=device,
+                block_size=strategy.block_size,
+                quantize=hp.quantize,
+            )
         else:
             base = AutoModelForCausalLM.from_pretrained(
                 hp.checkpoint,
-                quantization_config=nf4_config(dtype),
+                quantization_config=nf4_config(dtype) if hp.quantize else None,
                 device_map={"": device},
                 dtype=dtype,
                 local_files_only=True,
@@ -244,6 +259,16 @@ class CausalLMFineTune(pl.LightningModule):
         if self.hparams.adapter_dir:
             return Path(self.hparams.adapter_dir)
         return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
+
+
+def _random_dense(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init dense model of ``config`` in ``dtype``, built on the CPU with the model's own init.
+
+    On the CPU, not the device: a dense base is 2 bytes per parameter (64 GB at 32B), which the
+    blockwise strategy keeps in host memory anyway and would only have to copy back.
+    """
+    with torch.device("cpu"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).train()
 
 
 def _check_count(name: str, value: int | None, example: str) -> None:

@@ -15,10 +15,13 @@ from bitsandbytes.nn import Params4bit
 
 from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
 from lightning_blockwise.cli import main, plan, plan_report
+from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.planning import StepShape
 from lightning_blockwise.planning.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
 from lightning_blockwise.residency.layout import layout_block
+from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import CONFIGS, TARGETS, build_model
+from tests.test_moe import moe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -504,3 +507,55 @@ def test_long_context_prediction_is_never_under_the_measured_peak(
     over = (predicted.predicted_peak - measured) / measured
     # Within 10% untiled; the tiled MLP's peak is overestimated by up to 17% (RESULTS.md), never under.
     assert 0 <= over < (0.10 if tile is None else 0.17), f"{shape} at {tokens}: {over:+.1%}"
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """bf16 checkpoints of a tiny Llama and a tiny Qwen3-MoE (fused 3-D experts that bitsandbytes leaves dense)."""
+    root = tmp_path_factory.mktemp("plan_dense")
+    paths = {}
+    for name, config in (("llama", CONFIGS["llama"]()), ("qwen3_moe", moe_config())):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(root / name)
+        paths[name] = root / name
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("model_type", "quantize"), [("llama", False), ("qwen3_moe", False), ("qwen3_moe", True)],
+    ids=["llama-dense", "qwen3_moe-dense", "qwen3_moe-mixed"],
+)  # fmt: skip
+def test_dense_and_mixed_sizes_equal_the_arena_load_blockwise_fills(
+    bf16_checkpoints: dict[str, Path], model_type: str, quantize: bool
+) -> None:
+    """Sizes from the config alone, from the real per-tensor dtypes, equal the slabs `load_blockwise` packs."""
+    config = transformers.AutoConfig.from_pretrained(bf16_checkpoints[model_type])
+    sizes = model_sizes(config, dtype=torch.bfloat16, lora_rank=4, quantize=quantize)
+    for block_size in (1, 3):
+        model = load_blockwise(
+            bf16_checkpoints[model_type], device="cpu", block_size=block_size, progress=False, share=False,
+            quantize=quantize,
+        )  # fmt: skip
+        assert sizes.block_bytes(block_size) == [layout.nbytes for layout in host_copy_of(model).layouts]
+    model.requires_grad_(False)
+    assert sizes.device_bytes == _frozen_device_bytes(find_decoder_stack(model))
+    # Control: the other base of the same config has other sizes; dense blocks are the larger.
+    other = model_sizes(config, dtype=torch.bfloat16, lora_rank=4, quantize=not quantize)
+    dense, nf4 = (sizes, other) if not quantize else (other, sizes)
+    assert all(d > n for d, n in zip(dense.block_bytes(1), nf4.block_bytes(1), strict=True))
+
+
+def test_plan_dense_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --dense` mirrors `load_blockwise(quantize=False)`: every tensor in --dtype, said in JSON and table."""
+    _tiny_llama().save_pretrained(tmp_path)
+    main(["plan", str(tmp_path), "--dense", "--dtype", "bfloat16", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    dense = model_sizes(_load(tmp_path), dtype=torch.bfloat16, quantize=False)
+    assert report["base"] == "dense" and report["block_bytes"] == dense.block_bytes(1)
+    main(["plan", str(tmp_path), "--dtype", "bfloat16", "--json"])
+    nf4 = json.loads(capsys.readouterr().out)
+    assert nf4["base"] == "nf4" and nf4["host_arena_bytes"] < report["host_arena_bytes"]
+    # The head and the norms are dense in both; NF4 adds the code tables each of the 4 x 7 linears keeps on the device.
+    assert nf4["device_frozen_bytes"] - report["device_frozen_bytes"] == 4 * 7 * (16 + 256) * 4
+    main(["plan", str(tmp_path), "--dense"])
+    assert "dense, every tensor unquantized" in capsys.readouterr().out

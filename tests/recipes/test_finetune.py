@@ -272,3 +272,41 @@ def test_long_context_module_blockwise_equals_resident(checkpoints: dict[str, Pa
     for kept in ({"loss_chunk_tokens": CHUNK}, {"mlp_tile_tokens": TILE}, {}):
         other = _long_context_run(checkpoints["llama"], "auto", tmp_path / f"only-{'-'.join(kept)}", **kept)
         assert torch.equal(other[0], resident[0]) and not torch.equal(other, resident), f"{kept}: {other.tolist()}"
+
+
+def test_dense_base_trains_blockwise_equal_to_resident(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """`quantize=False`: `load_blockwise(quantize=False)` under the strategy, `from_pretrained` resident; same losses.
+
+    Control: the NF4 base of the same checkpoint gives other losses, so the comparison can see the base.
+    """
+    strategy = BlockwiseStrategy(block_size=2)
+    with mock.patch("lightning_blockwise.recipes.finetune.load_blockwise", wraps=load_blockwise) as loaded:
+        blockwise = _long_context_run(checkpoints["llama"], strategy, tmp_path / "b", quantize=False)
+    assert loaded.call_args.kwargs["quantize"] is False
+    base = strategy.lightning_module.model.get_base_model()
+    assert not any(isinstance(m, Linear4bit) for m in base.modules()) and host_copy_of(base) is strategy.host_copy
+    resident = _long_context_run(checkpoints["llama"], "auto", tmp_path / "r", quantize=False)
+    assert len(blockwise) == 3 and torch.equal(blockwise, resident)
+    nf4 = _long_context_run(checkpoints["llama"], "auto", tmp_path / "nf4")
+    assert not torch.equal(nf4, resident)
+
+
+def test_dense_option_from_yaml(capsys: pytest.CaptureFixture[str]) -> None:
+    """The option is a YAML key like the others (`model.init_args.quantize`), parsed by LightningCLI."""
+    config = ROOT / "configs" / "qwen3-32b.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--model.init_args.quantize=false", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["quantize"] is False
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--model.init_args.quantize=sometimes", "--print_config"])
+
+
+def test_random_init_dense(tmp_path: Path) -> None:
+    """`random_init` with `quantize=False`: a dense random model of the config's shape, trained blockwise."""
+    config_dir = tmp_path / "config-only"
+    MODEL_CONFIGS["llama"]().save_pretrained(config_dir)
+    module = CausalLMFineTune(str(config_dir), lora_r=4, compute_dtype="float32", random_init=True, quantize=False)
+    _fit_finetune(module, "blockwise", tmp_path)
+    q_proj = module.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.float32
