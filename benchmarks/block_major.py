@@ -3,8 +3,8 @@
     python -m benchmarks.block_major --shape 72b --accumulate 4 --windows 2 --warmup 1 \
         --arms resident blockwise blockwise:block_major --out results.jsonl
 
-The step benchmark's model (random-init NF4 of a real Qwen2.5 shape, LoRA r=16 on the seven projections,
-here without dropout: block-major accumulation refuses it), trained through ``Trainer.fit`` with
+The step benchmark's model (random-init NF4, or with ``--base dense`` bf16, of a real Qwen2.5 shape, LoRA r=16
+on the seven projections without dropout: block-major accumulation refuses it), trained through ``Trainer.fit`` with
 ``accumulate_grad_batches=G`` (bf16-mixed, batch 1, ``--seq`` tokens, AdamW) in each arm: ``resident`` (no
 checkpointing, the denominator), ``blockwise`` (streaming every micro-batch, defaults) and
 ``blockwise:block_major`` (``block_major_accumulation=True``). Per optimizer step (a window of G micro-batches,
@@ -23,12 +23,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 
-from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule
+from benchmarks.step_benchmark import BASES, SHAPES, BenchModule, build_model
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.recipes.random_init import random_nf4_model
 
 
 class WindowTimer(pl.Callback):
@@ -93,6 +91,7 @@ def run_arm(model: torch.nn.Module, arm: str, args: argparse.Namespace, vocab: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    parser.add_argument("--base", default="nf4", choices=BASES, help="the frozen base: NF4, or dense bf16")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--accumulate", type=int, default=4)
     parser.add_argument("--windows", type=int, default=2)
@@ -102,13 +101,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append the JSON lines here")
     args = parser.parse_args()
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    config = SHAPES[args.shape]()
     start = time.perf_counter()
-    model = get_peft_model(
-        random_nf4_model(config, device),
-        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS),
-    )
+    # LoRA r=16 on the seven projections, PEFT's default dropout of 0 (block-major accumulation refuses dropout).
+    model, config = build_model(args.shape, device, args.base)
     print(f"built {args.shape} in {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
     for arm in args.arms:
@@ -116,6 +111,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         row = {
             "shape": args.shape,
+            "base": args.base,
             "seq": args.seq,
             "accumulate": args.accumulate,
             "mode": "deterministic" if args.deterministic else "default",
