@@ -125,10 +125,11 @@ def apply_cap(device: torch.device, budget: int | None, held_outside: int = 0) -
     return DeviceMemoryCap(device, found, turned_on), changes
 
 
-def blas_workspace_bytes(device: torch.device) -> int:
+def blas_workspace_bytes(device: torch.device, threads: int = BLAS_THREADS) -> int:
     """Bytes of the cuBLAS workspaces a training step on ``device`` allocates through the caching allocator.
 
-    One per matmul thread (``BLAS_THREADS``), each sized by ``CUBLAS_WORKSPACE_CONFIG``
+    One per matmul thread (``threads``: ``BLAS_THREADS``, more with block-major accumulation's workers), each
+    sized by ``CUBLAS_WORKSPACE_CONFIG``
     (``:SIZE_KIB:COUNT`` pairs) or torch's default: 32 MiB from Hopper on, 8 MiB + 128 KiB before.
     0 off CUDA.
     """
@@ -142,7 +143,7 @@ def blas_workspace_bytes(device: torch.device) -> int:
         workspace = HOPPER_BLAS_WORKSPACE
     else:
         workspace = 4096 * 2**10 * 2 + 16 * 2**10 * 8
-    return BLAS_THREADS * workspace
+    return threads * workspace
 
 
 def _set_allocator_settings(setting: str) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.device_memory import blas_workspace_bytes
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
-from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK
+from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
 
 # NOTE [ A budget that sees the batches ]
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
@@ -135,7 +135,7 @@ class StepBudget:
             activation_bytes=head.weight.element_size() if head is not None else 2,
             block_bytes=list(block_bytes),
             prefetch_depth=prefetch_depth,
-            fixed_bytes=device_bytes(module, device) + blas_workspace_bytes(device),
+            fixed_bytes=device_bytes(module, device) + blas_workspace_bytes(device, blas_threads(window)),
             trainable_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad),
             budget=budget,
             offload=offload,
@@ -222,6 +222,11 @@ class StepBudget:
             f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"
             f" tokens per micro-batch{offload}"
         )
+
+
+def blas_threads(window: int) -> int:
+    """Threads that run matmuls in a step: Lightning's and autograd's, plus a block-major window's workers."""
+    return BLAS_THREADS + (window if window > 1 else 0)
 
 
 def device_bytes(module: nn.Module, device: torch.device) -> int:

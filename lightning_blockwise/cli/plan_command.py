@@ -67,6 +67,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             loss_chunk_tokens=options.loss_chunk_tokens,
             mlp_tile_tokens=options.mlp_tile_tokens,
             quantize=not options.dense,
+            block_major=options.block_major,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -92,6 +93,7 @@ def plan_report(
     loss_chunk_tokens: int | None = None,
     mlp_tile_tokens: int | None = None,
     quantize: bool = True,
+    block_major: int | None = None,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -116,6 +118,8 @@ def plan_report(
             ``None``: untiled.
         quantize: ``False``: a dense base in ``dtype`` (``load_blockwise(quantize=False)``,
             ``CausalLMFineTune(quantize=False)``); else NF4 with double quantization.
+        block_major: ``accumulate_grad_batches`` of a run with ``block_major_accumulation=True`` (the window's
+            micro-batches' layer inputs are saved at once, its workers' cuBLAS workspaces count); ``None``: off.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
@@ -149,7 +153,13 @@ def plan_report(
         loss_chunk_tokens,
         mlp_tile_tokens,
         device_limit=card_limit,
+        window=block_major or 1,
     )
+    if block_major is not None and block_major > 1 and offload_activations:
+        raise MisconfigurationException(
+            "--block-major: a block-major window saves its micro-batches' layer inputs on the device; leave"
+            " --offload-activations at auto or off."
+        )
     try:
         step = step_budget.plan(tokens)
     except ValueError as error:
@@ -175,6 +185,7 @@ def plan_report(
         "offload_activations": step.offload,
         "loss_chunk_tokens": loss_chunk_tokens,
         "mlp_tile_tokens": mlp_tile_tokens,
+        "block_major": block_major,
         "offload_host_bytes": offload_host_bytes,
         "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,
     }
@@ -306,6 +317,14 @@ def _plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="Tokens per tile of the decoder layers' MLPs (tile_mlps, a module's mlp_tile_tokens; default: none,"
         " each MLP on all tokens at once).",
+    )
+    parser.add_argument(
+        "--block-major",
+        type=_positive_int,
+        default=None,
+        metavar="G",
+        help="Plan for block_major_accumulation=True with accumulate_grad_batches=G: G micro-batches' layer inputs"
+        " are saved at once (default: off).",
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
     return parser

@@ -52,6 +52,12 @@ def plan_fields(residency: Any) -> dict[str, Any]:
     }
 
 
+def _window_text(block_major: int | None) -> str:
+    if not block_major or block_major == 1:
+        return ""
+    return f", block-major windows of {block_major} (their layer inputs saved at once; nothing kept or offloaded)"
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The report as tables (rich's when installed)."""
     sizes = report["block_bytes"]
@@ -60,7 +66,7 @@ def print_report(report: dict[str, Any]) -> None:
     rows = [
         ("model", f"{report['model_type']}, {report['num_layers']} decoder layers"),
         ("base", "NF4 + double quant" if report.get("base", "nf4") == "nf4" else "dense, every tensor unquantized"),
-        ("step", f"{report['tokens']} tokens per micro-batch"),
+        ("step", f"{report['tokens']} tokens per micro-batch{_window_text(report.get('block_major'))}"),
         ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
         ("layer inputs", _inputs_text(report)),
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),

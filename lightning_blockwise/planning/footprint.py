@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
-from lightning_blockwise.planning.memory import BLAS_THREADS, HOPPER_BLAS_WORKSPACE
+from lightning_blockwise.planning.memory import HOPPER_BLAS_WORKSPACE
 from lightning_blockwise.residency.arena import slab_offsets
 from lightning_blockwise.residency.layout import ALIGNMENT, tensor_offsets
-from lightning_blockwise.step_budget import StepBudget
+from lightning_blockwise.step_budget import StepBudget, blas_threads
 
 
 def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
@@ -103,6 +103,7 @@ class ModelSizes:
         mlp_tile_tokens: int | None = None,
         device_limit: int | None = None,
         keep_activations: bool = True,
+        window: int = 1,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
 
@@ -118,6 +119,8 @@ class ModelSizes:
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
             device_limit: Without a budget, the device bytes beyond which automatic offload turns on.
             keep_activations: The strategy's ``keep_activations`` (NOTE [ Kept activations ] in memory.py).
+            window: ``accumulate_grad_batches`` with block-major accumulation (its workers' cuBLAS workspaces and
+                micro-batches' saved inputs count), else 1.
 
         Raises:
             ValueError: If ``block_size`` is out of range.
@@ -130,7 +133,7 @@ class ModelSizes:
             block_bytes=self.block_bytes(block_size),
             prefetch_depth=prefetch_depth,
             # The cuBLAS workspaces as on Hopper (plan does not know the card).
-            fixed_bytes=self.device_bytes + self.trainable_bytes + BLAS_THREADS * HOPPER_BLAS_WORKSPACE,
+            fixed_bytes=self.device_bytes + self.trainable_bytes + blas_threads(window) * HOPPER_BLAS_WORKSPACE,
             trainable_bytes=self.trainable_bytes,
             budget=budget,
             offload=offload,
@@ -139,6 +142,7 @@ class ModelSizes:
             device_limit=device_limit,
             block_layers=blocks.layers_per_block,
             keep_activations=keep_activations,
+            window=window,
         )
 
     def residency(

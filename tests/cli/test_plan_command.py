@@ -559,3 +559,23 @@ def test_plan_dense_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert nf4["device_frozen_bytes"] - report["device_frozen_bytes"] == 4 * 7 * (16 + 256) * 4
     main(["plan", str(tmp_path), "--dense"])
     assert "dense, every tensor unquantized" in capsys.readouterr().out
+
+
+def test_plan_for_block_major_accumulation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--block-major G`: G micro-batches' layer inputs saved at once, and G more cuBLAS workspaces (its workers)."""
+    _tiny_llama().save_pretrained(tmp_path)
+    common = ["--seq-len", "12", "--lora-rank", "4", "--dtype", "float32", "--json"]
+    main(["plan", str(tmp_path), *common])
+    plain = json.loads(capsys.readouterr().out)
+    main(["plan", str(tmp_path), *common, "--block-major", "4"])
+    windowed = json.loads(capsys.readouterr().out)
+    extra = (
+        StepShape(12, 32, 64, 96, 4, activation_bytes=4, window=4).activation_peak()
+        - StepShape(12, 32, 64, 96, 4, activation_bytes=4).activation_peak()
+    )
+    # 3 more micro-batches' inputs of 4 layers, and their decoder outputs and gradients, 12 x 32 fp32 each.
+    assert extra >= (3 * 4 + 2 * 3) * 12 * 32 * 4
+    assert windowed["block_major"] == 4 and plain["block_major"] is None
+    assert windowed["predicted_peak_bytes"] == plain["predicted_peak_bytes"] + extra + 4 * 32 * 2**20
+    with pytest.raises(SystemExit, match="--block-major"):
+        main(["plan", str(tmp_path), *common, "--block-major", "4", "--offload-activations", "on"])
