@@ -3,7 +3,8 @@
 Through ``Trainer.fit`` with ``accumulate_grad_batches=4``: exact to resident training with the same
 accumulation (losses, grads, weights, AdamW state), each block copied once per pass per window instead of
 once per micro-batch, windows cut short at an epoch's end with a shuffling loader, micro-batches that
-return ``None``, the rest of a step running in Lightning's call for it. Controls: a window backward that
+return ``None``, the rest of a step running in Lightning's call for it, a loader without a length, and a
+resume mid-epoch. Controls: a window backward that
 takes its micro-batches in another order differs; dropout is refused at setup, and random numbers drawn
 in a layer at run time are refused.
 """
@@ -17,9 +18,12 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
 from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
@@ -212,3 +216,46 @@ def test_loader_without_length(checkpoint: Path, monkeypatch: pytest.MonkeyPatch
         runs.append(collect(module, trainer_optimizer(module)))
     assert sizes == [4, 3]
     assert_equal_runs(runs[1], runs[0])
+
+
+def _resumable_run(strategy: Any, max_steps: int, root: Path, checkpoint: Path, ckpt_path: Path | None = None) -> Any:
+    """A run with a checkpoint after every optimizer step and a shuffling loader that resumes exactly (torchdata)."""
+    seed_everything(0, verbose=False)
+    module = _module(checkpoint)
+    batches = padded_batches(8)
+    data = StatefulDataLoader(
+        batches,
+        batch_size=None,
+        sampler=RandomSampler(batches, generator=torch.Generator().manual_seed(7)),
+        generator=torch.Generator().manual_seed(8),
+    )
+    callback = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    run = trainer(
+        strategy,
+        accumulate_grad_batches=ACCUMULATE,
+        max_steps=max_steps,
+        enable_checkpointing=True,
+        callbacks=[callback],
+        default_root_dir=root,
+    )
+    run.fit(module, data, ckpt_path=ckpt_path)
+    return collect(module, trainer_optimizer(module))
+
+
+def test_resume_mid_epoch_is_exact(checkpoint: Path, tmp_path: Path) -> None:
+    """Two windows per epoch; stopped after 3 optimizer steps (mid-epoch 1) and resumed to 5: the tail equals."""
+    whole = _resumable_run(_blockwise(block_major_accumulation=True), 5, tmp_path / "whole", checkpoint)
+    resident = _resumable_run("auto", 5, tmp_path / "resident", checkpoint)
+    assert_equal_runs(whole, resident)
+    _resumable_run(_blockwise(block_major_accumulation=True), 3, tmp_path / "first", checkpoint)
+    resumed = _resumable_run(
+        _blockwise(block_major_accumulation=True),
+        5,
+        tmp_path / "second",
+        checkpoint,
+        tmp_path / "first" / "step=3.ckpt",
+    )
+    steps = 2
+    assert len(resumed.losses) == steps * ACCUMULATE
+    tail = type(whole)(whole.losses[-steps * ACCUMULATE :], whole.grads[-steps:], whole.weights, whole.optimizer)
+    assert_equal_runs(tail, resumed)
