@@ -259,3 +259,24 @@ def test_resume_mid_epoch_is_exact(checkpoint: Path, tmp_path: Path) -> None:
     assert len(resumed.losses) == steps * ACCUMULATE
     tail = type(whole)(whole.losses[-steps * ACCUMULATE :], whole.grads[-steps:], whole.weights, whole.optimizer)
     assert_equal_runs(tail, resumed)
+
+
+def test_validation_inside_a_window(checkpoint: Path) -> None:
+    """Validation every 2 batches runs between a window's micro-batches (its layers streamed as usual): exact."""
+    runs = []
+    for strategy in ("auto", _blockwise(block_major_accumulation=True)):
+        module = _module(checkpoint)
+        run = trainer(
+            strategy,
+            accumulate_grad_batches=ACCUMULATE,
+            max_steps=2,
+            limit_val_batches=1,
+            val_check_interval=2,
+        )
+        seed_everything(0, verbose=False)
+        batches = padded_batches(8)
+        run.fit(module, DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
+        assert len(module.val_losses) == 4
+        runs.append((collect(module, trainer_optimizer(module)), module.val_losses))
+    assert_equal_runs(runs[1][0], runs[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[0][1], strict=True))
