@@ -27,8 +27,8 @@ LAYERS: list[set[str]] = [
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
     {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
     # What the strategy delegates to: its step plan over the run, its checkpoints, where the module goes, DDP,
-    # and what callbacks ask it.
-    {"step_planner", "checkpoint_hooks", "module_placement", "data_parallel", "strategy_queries"},
+    # block-major windows, and what callbacks ask it.
+    {"step_planner", "checkpoint_hooks", "module_placement", "data_parallel", "accumulation", "strategy_queries"},
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},
