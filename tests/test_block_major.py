@@ -12,6 +12,7 @@ in a layer at run time are refused.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.streamer import StreamObserver
 from tests.helpers.models import (
     CONFIGS,
+    SEQ,
     CausalLMModule,
     assert_equal_runs,
     build_model,
@@ -280,3 +282,21 @@ def test_validation_inside_a_window(checkpoint: Path) -> None:
         runs.append((collect(module, trainer_optimizer(module)), module.val_losses))
     assert_equal_runs(runs[1][0], runs[0][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[0][1], strict=True))
+
+
+def test_with_a_budget_some_blocks_resident(checkpoint: Path, resident: Any) -> None:
+    """A `vram_budget` that keeps some blocks resident (none kept: a window keeps no graphs): still exact."""
+    probe = _blockwise(block_major_accumulation=True, budget_tokens=2 * SEQ)
+    fit(_module(checkpoint), probe, accumulate_grad_batches=ACCUMULATE, max_steps=1)
+    assert probe._planner is not None and probe.step_plan is not None
+    budget, minimum = probe._planner.budget, probe.step_plan.residency.minimum
+    split = next(
+        b
+        for b in range(minimum, 4 * minimum, 2**10)
+        if 2 <= len(dataclasses.replace(budget, budget=b).plan(2 * SEQ).residency.resident) <= 4
+    )
+    strategy = _blockwise(block_major_accumulation=True, vram_budget=split, budget_tokens=2 * SEQ)
+    windowed = fit(_module(checkpoint), strategy, accumulate_grad_batches=ACCUMULATE, max_steps=2)
+    plan = strategy.step_plan
+    assert plan is not None and 2 <= len(plan.residency.resident) <= 4 and not plan.residency.kept
+    assert_equal_runs(windowed, resident)
