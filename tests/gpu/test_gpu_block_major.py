@@ -15,19 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import block_major
 from tests.helpers.models import (
     DEFAULT_TARGETS,
-    CausalLMModule,
     RunResult,
     assert_equal_runs,
-    fit,
+    fit_on_gpu,
     nf4_lora_builder,
-    padded_batches,
     runs_differ,
 )
 
@@ -39,21 +36,8 @@ ACCUMULATE = 4
 
 
 def _fit(path: Path, strategy: Any) -> RunResult:
-    module = CausalLMModule(nf4_lora_builder(path, DEFAULT_TARGETS, r=16, lora_dropout=0.0), lr=1e-4)
-    batches = padded_batches(STEPS * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
-    result = fit(
-        module,
-        strategy,
-        batches,
-        accelerator="gpu",
-        precision="bf16-mixed",
-        max_steps=STEPS,
-        accumulate_grad_batches=ACCUMULATE,
-        deterministic=True,
-    )
-    del module
-    torch.cuda.empty_cache()
-    return result
+    build = nf4_lora_builder(path, DEFAULT_TARGETS, r=16, lora_dropout=0.0)
+    return fit_on_gpu(build, strategy, STEPS, ACCUMULATE, SEQ)
 
 
 def test_block_major_equals_resident_deterministic(qwen2_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

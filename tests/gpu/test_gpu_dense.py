@@ -23,11 +23,9 @@ from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import (
     DEFAULT_TARGETS,
-    CausalLMModule,
     RunResult,
     assert_equal_runs,
-    fit,
-    padded_batches,
+    fit_on_gpu,
     runs_differ,
 )
 
@@ -53,21 +51,7 @@ def _builder(path: Path, loader: str) -> Callable[[], torch.nn.Module]:
 
 
 def _fit_gpu(path: Path, loader: str, strategy: Any) -> RunResult:
-    module = CausalLMModule(_builder(path, loader), lr=1e-4)
-    batches = padded_batches(STEPS * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
-    result = fit(
-        module,
-        strategy,
-        batches,
-        accelerator="gpu",
-        precision="bf16-mixed",
-        max_steps=STEPS,
-        accumulate_grad_batches=ACCUMULATE,
-        deterministic=True,
-    )
-    del module
-    torch.cuda.empty_cache()
-    return result
+    return fit_on_gpu(_builder(path, loader), strategy, STEPS, ACCUMULATE, SEQ)
 
 
 def test_dense_load_bytes_equal_from_pretrained_on_the_gpu(qwen2_checkpoint: Path) -> None:

@@ -17,11 +17,9 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.loss import chunked_causal_lm_loss
 from tests.helpers.models import (
     DEFAULT_TARGETS,
-    CausalLMModule,
     assert_equal_runs,
-    fit,
+    fit_on_gpu,
     nf4_lora_builder,
-    padded_batches,
 )
 
 pytestmark = pytest.mark.gpu
@@ -32,14 +30,7 @@ ACCUMULATE = 2
 
 
 def _fit(path: Path, strategy: object) -> object:
-    module = CausalLMModule(nf4_lora_builder(path, DEFAULT_TARGETS, r=16), lr=1e-4)
-    batches = padded_batches(STEPS * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
-    result = fit(
-        module, strategy, batches, accelerator="gpu", precision="bf16-mixed", max_steps=STEPS,
-        accumulate_grad_batches=ACCUMULATE, deterministic=True,
-    )  # fmt: skip
-    torch.cuda.empty_cache()
-    return result
+    return fit_on_gpu(nf4_lora_builder(path, DEFAULT_TARGETS, r=16), strategy, STEPS, ACCUMULATE, SEQ)
 
 
 def test_offload_equals_resident_deterministic(qwen2_checkpoint: Path) -> None:

@@ -24,12 +24,10 @@ from lightning_blockwise.replay.rng import RngSnapshot
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     GPU_SHAPES,
-    CausalLMModule,
     RunResult,
     assert_equal_runs,
-    fit,
+    fit_on_gpu,
     nf4_lora_builder,
-    padded_batches,
     runs_differ,
 )
 
@@ -57,21 +55,7 @@ def _builder(path: Path, use_dora: bool = False) -> Callable[[], torch.nn.Module
 
 
 def _fit_gpu(path: Path, strategy: Any, deterministic: bool, use_dora: bool = False, steps: int = STEPS) -> RunResult:
-    module = CausalLMModule(_builder(path, use_dora), lr=1e-4)
-    batches = padded_batches(steps * ACCUMULATE, batch_size=1, seq=SEQ, vocab=32000)
-    result = fit(
-        module,
-        strategy,
-        batches,
-        accelerator="gpu",
-        precision="bf16-mixed",
-        max_steps=steps,
-        accumulate_grad_batches=ACCUMULATE,
-        deterministic=deterministic,
-    )
-    del module
-    torch.cuda.empty_cache()
-    return result
+    return fit_on_gpu(_builder(path, use_dora), strategy, steps, ACCUMULATE, SEQ, deterministic)
 
 
 def test_deterministic_parity_and_control(checkpoint: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -234,6 +234,35 @@ def fit(
     return collect(module, trainer_optimizer(module))
 
 
+def fit_on_gpu(
+    build: Callable[[], nn.Module],
+    strategy: Any,
+    steps: int,
+    accumulate: int,
+    seq: int,
+    deterministic: bool = True,
+) -> RunResult:
+    """The GPU tests' run: ``steps`` optimizer steps of ``accumulate`` micro-batches of one ``seq``-token sequence.
+
+    bf16-mixed, learning rate 1e-4, vocabulary 32000; the module is dropped and the cache emptied after.
+    """
+    module = CausalLMModule(build, lr=1e-4)
+    batches = padded_batches(steps * accumulate, batch_size=1, seq=seq, vocab=32000)
+    result = fit(
+        module,
+        strategy,
+        batches,
+        accelerator="gpu",
+        precision="bf16-mixed",
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        deterministic=deterministic,
+    )
+    del module
+    torch.cuda.empty_cache()
+    return result
+
+
 def trainer_optimizer(module: CausalLMModule) -> torch.optim.Optimizer:
     return module.trainer.optimizers[0]
 
