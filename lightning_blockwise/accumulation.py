@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_blockwise.replay.block_major import Window, WindowError, Workers
@@ -24,28 +27,47 @@ from lightning_blockwise.replay.block_major import Window, WindowError, Workers
 # with `transfer_batch_to_device` and `on_after_batch_transfer`) the strategy does to the ones
 # it reads ahead, so those hooks run twice for micro-batches 1..G-1 of a window (once when read
 # ahead, once when the loop reaches them), and when the loop hands micro-batch k to
-# `training_step`, it is compared with the one read ahead (`torch.equal`): a hook that
-# transforms at random is refused there. A window ends where Lightning's accumulation ends it:
-# after `accumulate_grad_batches` batches or at the epoch's last batch.
+# `training_step`, it is compared with the one read ahead (bit for bit): a hook that
+# transforms at random is refused there (the batches read ahead are transformed from copies, so
+# a hook that works in place does not run twice on the loop's tensors). A checkpoint written
+# inside a window records the loaders' state as of the batches the loop has taken, not past the
+# ones read ahead, so a resume from it skips nothing (it runs the rest of that window the usual
+# way). A window ends where Lightning's accumulation ends it: after `accumulate_grad_batches`
+# batches or at the epoch's last batch.
 
 
 class _Lookahead(Iterator):
-    """An iterator whose next items can be read ahead without being taken."""
+    """An iterator whose next items can be read ahead without being taken.
 
-    def __init__(self, iterator: Iterator) -> None:
+    Args:
+        iterator: The iterator read from.
+        loader_state: The loaders' states now (Lightning's checkpoint entry), taken after each item read ahead.
+    """
+
+    def __init__(self, iterator: Iterator, loader_state: Callable[[], Any]) -> None:
         self.iterator = iterator
+        self.loader_state = loader_state
         self.ahead: deque[Any] = deque()
+        self._states: deque[Any] = deque()
+        #: The loaders' state after the items taken so far: what a checkpoint records without the read-ahead.
+        self.state_taken: Any = None
 
     def __next__(self) -> Any:
-        return self.ahead.popleft() if self.ahead else next(self.iterator)
+        if not self.ahead:
+            return next(self.iterator)
+        self.state_taken = self._states.popleft()
+        return self.ahead.popleft()
 
     def peek(self, count: int) -> list[Any]:
         """Up to ``count`` next items (fewer where the iterator ends), still to be taken."""
+        if not self.ahead:
+            self.state_taken = self.loader_state()
         while len(self.ahead) < count:
             try:
                 self.ahead.append(next(self.iterator))
             except StopIteration:
                 break
+            self._states.append(self.loader_state())
         return list(self.ahead)[:count]
 
 
@@ -78,6 +100,16 @@ def refuse_unsupported(trainer: Trainer, module: LightningModule, layers: list[n
         )
 
 
+def planned_window(trainer: Trainer) -> int:
+    """The largest ``accumulate_grad_batches`` of the run: the Trainer's, or a ``GradientAccumulationScheduler``'s."""
+    schedules = [
+        max(callback.scheduling.values())
+        for callback in trainer.callbacks
+        if isinstance(callback, GradientAccumulationScheduler)
+    ]
+    return max([trainer.accumulate_grad_batches, *schedules])
+
+
 def _config_of(layers: list[nn.Module]) -> Any:
     for layer in layers:
         for module in layer.modules():
@@ -102,6 +134,7 @@ class BlockMajorSteps:
         self.device = device
         self._current: Window | None = None
         self._workers: Workers | None = None
+        self._lookahead: _Lookahead | None = None
         self._batches: list[Any] = []
         self._start = 0
 
@@ -137,11 +170,14 @@ class BlockMajorSteps:
             remaining = trainer.num_training_batches - ready
             count = int(min(accumulate, 1 + remaining))
             if count > 1:
-                ahead = [read_batch(item[0]) for item in self._peek(trainer, count - 1)]
+                rng = _rng_states()
+                # Copies: a hook that works in place must not run twice on the tensors the loop gets.
+                ahead = [read_batch(_clone(item[0])) for item in self._peek(trainer, count - 1)]
+                drew_ahead = any(not torch.equal(a, b) for a, b in zip(rng, _rng_states(), strict=True))
                 batches = [args[0], *ahead]
                 if len(batches) > 1:
                     see_batches(batches)
-                    return self._open(batches, args, run)
+                    return self._open(batches, args, run, drew_ahead)
             return run(*args)
         window = self._current
         if window is None or position >= window.count:
@@ -152,7 +188,8 @@ class BlockMajorSteps:
                 f"BlockwiseStrategy(block_major_accumulation=True): batch {ready - 1} of this epoch differs from the"
                 " one read ahead for it (NOTE [ A window's batches ]): a batch transfer hook"
                 " (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) that is not"
-                " deterministic. Make it deterministic or set `block_major_accumulation=False`."
+                " deterministic, or an `on_train_batch_start` hook that changes the batch. Make it deterministic"
+                " and leave the batch unchanged, or set `block_major_accumulation=False`."
             )
         return window.result(position)
 
@@ -168,8 +205,20 @@ class BlockMajorSteps:
             self._workers.close()
             self._workers = None
 
-    def _open(self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any]) -> Any:
+    def checkpoint_loader_state(self, checkpoint: dict[str, Any]) -> None:
+        """Record in ``checkpoint`` the loaders' state without the batches read ahead (NOTE [ A window's batches ]).
+
+        A checkpoint written inside a window (after a validation, a timed one, a resumed run's first batch)
+        would otherwise record the loaders past the batches read ahead, and a resume from it would skip them.
+        """
+        lookahead = self._lookahead
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if lookahead is not None and lookahead.ahead and "combined_loader" in fit_loop:
+            fit_loop["combined_loader"] = lookahead.state_taken
+
+    def _open(self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any], drew_ahead: bool) -> Any:
         window = Window(len(batches), self.num_layers, self.device)
+        window.drew_ahead = drew_ahead
 
         def step(k: int) -> Any:
             step_args = (batches[k], args[1] + k, *args[2:]) if len(args) > 1 else (batches[k],)
@@ -197,30 +246,56 @@ class BlockMajorSteps:
             )
         assert fetcher is not None and fetcher.iterator is not None
         if not isinstance(fetcher.iterator, _Lookahead):
-            fetcher.iterator = _Lookahead(fetcher.iterator)
+            loaders = trainer.fit_loop._combined_loader
+            # What Lightning's fit loop writes into a checkpoint for its loaders (`FitLoop.on_save_checkpoint`).
+            state = (lambda: loaders._state_dicts()) if loaders is not None else list
+            fetcher.iterator = _Lookahead(fetcher.iterator, state)
+        self._lookahead = fetcher.iterator
         # A prefetching fetcher (a loader without a length) holds the next items already, in order.
         held = list(getattr(fetcher, "batches", []))[:count]
         return held + fetcher.iterator.peek(count - len(held))
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two batches hold equal values (tensors with ``torch.equal``), walking mappings and sequences."""
+    """Whether two batches hold the same values bit for bit (NaN equals NaN), in mappings, sequences, dataclasses."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return (
-            isinstance(a, Tensor)
-            and isinstance(b, Tensor)
-            and a.dtype == b.dtype
-            and a.device == b.device
-            and torch.equal(a, b)
-        )
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            return False
+        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+            return False
+        return torch.equal(_bits(a), _bits(b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and not isinstance(a, type):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     try:
         return bool(a == b)
     except Exception:  # an object without a usable `==` is compared by identity
         return a is b
 
 
-__all__ = ["BlockMajorSteps", "refuse_unsupported"]
+def _bits(tensor: Tensor) -> Tensor:
+    """The tensor's bytes, to compare floating point values bit for bit."""
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return tensor.contiguous().view(torch.uint8)
+
+
+def _clone(batch: Any) -> Any:
+    """``batch`` with every tensor copied (mappings, sequences and dataclasses rebuilt)."""
+    return apply_to_collection(batch, Tensor, lambda t: t.clone())
+
+
+def _rng_states() -> list[Tensor]:
+    """The torch generators' states in this process (CPU, and each initialized CUDA device)."""
+    cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *cuda]
+
+
+__all__ = [
+    "BlockMajorSteps",
+    "planned_window",
+    "refuse_unsupported",
+]

@@ -20,7 +20,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_blockwise.accumulation import BlockMajorSteps, refuse_unsupported
+from lightning_blockwise.accumulation import (
+    BlockMajorSteps,
+    planned_window,
+    refuse_unsupported,
+)
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
@@ -197,11 +201,12 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             raise MisconfigurationException(f"`BlockwiseStrategy(block_size={self.block_size})`: {error}") from None
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainable(stack)
-            if self.block_major_accumulation and trainer.accumulate_grad_batches > 1:
+            window = planned_window(trainer) if self.block_major_accumulation else 1
+            if window > 1:
                 refuse_unsupported(trainer, self.lightning_module, stack.layers, self.world_size)
-                self._block_major = BlockMajorSteps(
-                    trainer.accumulate_grad_batches, len(stack.layers), self.root_device
-                )
+                self._block_major = BlockMajorSteps(window, len(stack.layers), self.root_device)
+            elif self.block_major_accumulation:
+                rank_zero_info("BlockwiseStrategy: block_major_accumulation has no effect: accumulate_grad_batches=1.")
         self._stack = stack
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
@@ -327,6 +332,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
+        if self._block_major is not None:
+            self._block_major.checkpoint_loader_state(checkpoint)
         self._checkpoints.record(checkpoint, self.save_frozen_base)
         if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

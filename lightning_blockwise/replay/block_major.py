@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.residency.base import Pass
@@ -26,14 +26,17 @@ if TYPE_CHECKING:
 # NOTE [ Block-major accumulation ]
 # Lightning calls `training_step` for micro-batch k only after micro-batch k-1's forward and
 # backward, and a training step is the user's code: it cannot be cut at the decoder. So each
-# micro-batch of a window runs its `training_step` in a thread of its own, started when the
-# window's first micro-batch is due, and the threads take turns (only one runs at any time,
-# in a fixed order, so the user's code runs in a fixed order too): micro-batch 0 runs up to
-# and through decoder layer 0, then micro-batch 1 does, ..., then each runs layer 1, and so
-# on. A layer's block is acquired by the window's first micro-batch and released after its
-# last. After the last layer a thread waits until Lightning asks for its micro-batch, then
-# runs the rest of its step (final norm, head, loss, `self.log`) in that call, so the logs
-# and the loss of micro-batch k belong to the call of micro-batch k.
+# micro-batch of a window runs its `training_step` on a worker thread of its own, from the
+# window's first micro-batch's call on, and the workers take turns (only one runs at any time,
+# in a fixed order, so the user's code runs in a fixed order too): micro-batch 0 runs its code
+# before the decoder and decoder layer 0, then micro-batch 1 does, ..., then each runs layer 1,
+# and so on; a worker keeps the turn until it reaches its next layer, so the code between two
+# layers runs in its turn too. A layer's block is acquired by the window's first micro-batch and
+# released after its last. After the last layer a worker waits until Lightning asks for its
+# micro-batch, then runs the rest of its step (final norm, head, loss, and `self.log` calls made
+# there) inside that call, so the loss and those logs belong to micro-batch k's call. The code
+# before the decoder of micro-batches 1..G-1 (and a `self.log` made there) runs inside micro-
+# batch 0's call.
 #
 # The layers run without a graph; only the last one is an autograd node per micro-batch
 # (`_WindowTop`), whose backward stores the gradient arriving at the top of the decoder. In
@@ -43,16 +46,19 @@ if TYPE_CHECKING:
 # micro-batches' gradients in the order resident accumulation gives them (0, 1, ..., G-1),
 # through its own `AccumulateGrad` (NOTE [ Exact rematerialization ] in remat.py): the sums
 # are the same, bit for bit. The recompute of a micro-batch's layer is exact as in remat.py.
+# The other layers' outputs go through `_Intermediate`, which refuses a gradient (a loss on
+# `output_hidden_states`): the window's backward could not carry it.
 #
-# What this cannot replay: random numbers. Sequentially, micro-batch 1's dropout draws come
-# after micro-batch 0's whole step; here they would come after micro-batch 0's layer 0 only.
-# So a layer that draws random numbers (dropout > 0) is refused: each layer's run is checked
-# to leave the generators as it found them. Code around the decoder keeps its order (micro-
-# batch k's code before the decoder runs after micro-batch k-1's, before layer 0), except that
-# the part after the decoder of micro-batch k-1 now runs after the part before it of micro-batch
-# k: random numbers drawn after the decoder (the head's dropout) would change order too, and
-# are refused the same way. The decoder's input gradient is not propagated (the embedding is
-# frozen; a trainable module before the decoder is refused).
+# What this cannot replay: random numbers in another order. Sequentially, micro-batch 1's
+# draws come after micro-batch 0's whole step; here they would come after micro-batch 0's layer
+# 0 only. So a layer that draws (dropout > 0) is refused: each layer's run, and the code between
+# layers, is checked to leave the generators as it found them. Of the other places that may
+# draw, the batches read ahead (a data pipeline in this process), the code before the decoder
+# and the code after it, any one alone keeps its order; two of them drawing would interleave
+# differently and are refused. Callbacks' draws in Lightning's own thread are not checked (they
+# run at the same points of the loop, but with other micro-batches' code moved around them).
+# The decoder's input gradient is not propagated (a trainable parameter before the decoder is
+# refused; an input that only requires grad, as PEFT's k-bit preparation makes it, is fine).
 
 _local = threading.local()
 
@@ -123,6 +129,9 @@ class Window:
         self._drew_before = [False] * count
         self._start_rng: dict[int, tuple[Tensor, ...]] = {}
         self._tail_rng: dict[int, tuple[Tensor, ...]] = {}
+        self._layer_end_rng: dict[int, tuple[Tensor, ...]] = {}
+        #: Whether reading the window's batches ahead drew random numbers (a data pipeline in this process).
+        self.drew_ahead = False
 
     # -- the window's threads -------------------------------------------------------------------
 
@@ -138,7 +147,8 @@ class Window:
             self._wait(("forward", 0, k))
             self._start_rng[k] = _rng_state(self.device)
             result = step(k)
-            if k in self._tail_rng and _drew(self._tail_rng[k], self.device) and any(self._drew_before[k + 1 :]):
+            drew_elsewhere = self.drew_ahead or any(self._drew_before[k + 1 :])
+            if k in self._tail_rng and _drew(self._tail_rng[k], self.device) and drew_elsewhere:
                 raise WindowError(_draws_message(f"the code after the decoder in micro-batch {k}'s training_step"))
             with self._cond:
                 if self._layer_reached[k] == -1:
@@ -201,24 +211,36 @@ class Window:
     def forward_layer(self, remat: RematLayer, k: int, hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
         """Run ``remat``'s layer for micro-batch ``k`` in its turn; see NOTE [ Block-major accumulation ]."""
         layer = remat.index
-        self._wait(("forward", layer, k))
         if layer != self._layer_reached[k] + 1:
+            # Checked before waiting: a second decoder pass would wait for a turn that never comes.
             raise WindowError(
                 f"BlockwiseStrategy(block_major_accumulation=True): micro-batch {k} called decoder layer {layer}"
                 f" after layer {self._layer_reached[k]}; block-major accumulation needs the decoder's layers called"
-                " once each, in order, per training_step."
+                " once each, in order, per training_step (not a second decoder pass, e.g. a reference forward or"
+                " `generate`). Set `block_major_accumulation=False` for this module."
             )
         if layer == 0:
             _refuse_trainable_before(hidden)
+            self._drew_before[k] = _drew(self._start_rng[k], hidden.device)
+            if self._drew_before[k] and self.drew_ahead:
+                raise WindowError(_draws_message(f"the code before the decoder in micro-batch {k}'s training_step"))
+        else:
+            # The code between two layers ran in this micro-batch's turn; only now does the turn pass on.
+            if _drew(self._layer_end_rng[k], hidden.device):
+                raise WindowError(
+                    _draws_message(f"the code between decoder layers {layer - 1} and {layer} of micro-batch {k}")
+                )
+            with self._cond:
+                self._advance(layer - 1, k)
+        self._wait(("forward", layer, k))
         self._remats[layer] = remat
         call = LayerCall.capture(hidden.device, args, kwargs)
-        if layer == 0:
-            self._drew_before[k] = _drew(self._start_rng[k], hidden.device)
         if k == self._active[0]:
             remat.residency.acquire(layer, Pass.FORWARD)
             self._acquired = layer
         rng = _rng_state(hidden.device)
-        if layer == self.num_layers - 1:
+        last = layer == self.num_layers - 1
+        if last:
             output = _WindowTop.apply(self, k, remat, call, hidden, remat.anchor)
         else:
             with torch.no_grad():
@@ -230,11 +252,15 @@ class Window:
             if k == self._active[-1]:
                 self._release(layer)
             self._layer_reached[k] = layer
-            self._advance(layer, k)
-        if layer == self.num_layers - 1:
-            # The rest of the step runs when Lightning asks for this micro-batch (`result`).
-            self._wait(("tail", k))
-            self._tail_rng[k] = _rng_state(hidden.device)
+            if last:
+                self._advance(layer, k)
+        if not last:
+            self._layer_end_rng[k] = _rng_state(hidden.device)
+            # Differentiable only to refuse a loss on it (`output_hidden_states`): its gradient would be lost.
+            return _Intermediate.apply(layer, k, output, remat.anchor)
+        # The rest of the step runs when Lightning asks for this micro-batch (`result`).
+        self._wait(("tail", k))
+        self._tail_rng[k] = _rng_state(hidden.device)
         return output
 
     # -- the thread Lightning runs ------------------------------------------------------------------
@@ -253,7 +279,9 @@ class Window:
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: k in self._results or self._error is not None)
                 self._raise_error()
-            return self._results[k]
+            # Popped: a result held here would keep its graph, whose `_WindowTop` holds this window (a cycle
+            # through the autograd graph that the garbage collector cannot see).
+            return self._results.pop(k)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -268,8 +296,8 @@ class Window:
             self._aborted = True
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._live == 0)
-        self._saved = []
-        self._grads = {}
+        self._saved, self._grads, self._results, self._remats = [], {}, {}, []
+        self._start_rng, self._tail_rng, self._layer_end_rng = {}, {}, {}
 
     # -- the backward ---------------------------------------------------------------------------
 
@@ -355,6 +383,30 @@ class Workers:
             thread.join()
 
 
+class _Intermediate(torch.autograd.Function):
+    """A decoder layer's output inside a window, other than the last: a gradient reaching it is refused.
+
+    The layers below the last run without a graph (NOTE [ Block-major accumulation ]), so a loss on an
+    intermediate hidden state (``output_hidden_states``) would lose its gradient; this node makes that an error.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, layer: int, k: int, output: Tensor, anchor: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.layer, ctx.k = layer, k
+        ctx.set_materialize_grads(False)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[None, ...]:
+        if grad is not None:
+            raise WindowError(
+                f"BlockwiseStrategy(block_major_accumulation=True): the loss of micro-batch {ctx.k} depends on the"
+                f" output of decoder layer {ctx.layer} (`output_hidden_states`?), whose gradient a block-major window"
+                " does not carry; use only the decoder's last output, or set `block_major_accumulation=False`."
+            )
+        return (None,) * 4
+
+
 class _WindowTop(torch.autograd.Function):
     """The decoder's last layer of one window micro-batch: the only autograd node of its decoder.
 
@@ -377,18 +429,20 @@ class _WindowTop(torch.autograd.Function):
 
 
 def _refuse_trainable_before(hidden: Tensor) -> None:
-    """Refuse a decoder input that trainable parameters feed: its gradient is not propagated."""
-    if not hidden.requires_grad or hidden.grad_fn is None:
-        if hidden.requires_grad:
-            raise WindowError(_TRAINABLE_BEFORE)
-        return
+    """Refuse a decoder input that trainable parameters feed: its gradient is not propagated.
+
+    A tensor that merely requires a gradient (``enable_input_require_grads``, as PEFT's
+    ``prepare_model_for_kbit_training`` sets on the embedding's output) has no parameter behind it.
+    """
+    if isinstance(hidden, nn.Parameter):
+        raise WindowError(_TRAINABLE_BEFORE)
     seen, todo = set(), [hidden.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if hasattr(node, "variable") and node.variable.requires_grad:
+        if isinstance(getattr(node, "variable", None), nn.Parameter):
             raise WindowError(_TRAINABLE_BEFORE)
         todo.extend(next_node for next_node, _ in node.next_functions)
 
