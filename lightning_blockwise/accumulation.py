@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -100,6 +101,14 @@ def refuse_unsupported(trainer: Trainer, module: LightningModule, layers: list[n
         )
 
 
+def _read_like_the_loop(strategy: Strategy, batch: Any) -> Any:
+    """What Lightning's training loop makes of a batch before ``training_step`` (NOTE [ A window's batches ])."""
+    module = strategy.lightning_module
+    batch = module.trainer.precision_plugin.convert_input(batch)
+    batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return strategy.batch_to_device(batch, dataloader_idx=0)
+
+
 def planned_window(trainer: Trainer) -> int:
     """The largest ``accumulate_grad_batches`` of the run: the Trainer's, or a ``GradientAccumulationScheduler``'s."""
     schedules = [
@@ -140,21 +149,32 @@ class BlockMajorSteps:
 
     def training_step(
         self,
-        trainer: Trainer,
+        strategy: Strategy,
         args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         run: Callable[..., Any],
-        read_batch: Callable[[Any], Any],
-        see_batches: Callable[[list[Any]], None],
+        see_batch: Callable[[Any], None],
     ) -> Any:
         """Micro-batch ``args[0]``'s training step: starts a window at its first micro-batch, answers from it after.
 
         Args:
-            trainer: The trainer.
+            strategy: The strategy (its trainer, module, precision and ``batch_to_device``).
             args: The loop's ``training_step`` arguments (the batch, and its index if the step takes one).
+            kwargs: Keyword arguments (Lightning passes none).
             run: The strategy's own ``training_step`` for one micro-batch's arguments.
-            read_batch: Makes a batch read ahead what the loop makes of it before ``training_step``.
-            see_batches: Plans for the window's batches before it starts (NOTE [ A budget that sees the batches ]).
+            see_batch: Plans for a batch before it runs (NOTE [ A budget that sees the batches ]).
+
+        Raises:
+            MisconfigurationException: If called with keyword arguments, or ``accumulate_grad_batches`` grew past
+                the planned window.
+            WindowError: If the loop's batch differs from the one read ahead for it.
         """
+        if kwargs or not args:
+            raise MisconfigurationException(
+                "`BlockwiseStrategy(block_major_accumulation=True)` takes the batch as `training_step`'s first"
+                " positional argument, as Lightning's loop passes it."
+            )
+        trainer = strategy.lightning_module.trainer
         epoch_loop = trainer.fit_loop.epoch_loop
         ready = epoch_loop.batch_progress.current.ready  # this batch included
         accumulate = trainer.accumulate_grad_batches
@@ -172,16 +192,19 @@ class BlockMajorSteps:
             if count > 1:
                 rng = _rng_states()
                 # Copies: a hook that works in place must not run twice on the tensors the loop gets.
-                ahead = [read_batch(_clone(item[0])) for item in self._peek(trainer, count - 1)]
+                ahead = [_read_like_the_loop(strategy, _clone(item[0])) for item in self._peek(trainer, count - 1)]
                 drew_ahead = any(not torch.equal(a, b) for a, b in zip(rng, _rng_states(), strict=True))
                 batches = [args[0], *ahead]
                 if len(batches) > 1:
-                    see_batches(batches)
+                    for batch in batches:
+                        see_batch(batch)
                     return self._open(batches, args, run, drew_ahead)
+            see_batch(args[0])
             return run(*args)
         window = self._current
         if window is None or position >= window.count:
             # No window covers this batch (a resume that starts inside one): the usual step, exact as well.
+            see_batch(args[0])
             return run(*args)
         if not _same(args[0], self._batches[position]):
             raise WindowError(
@@ -192,6 +215,20 @@ class BlockMajorSteps:
                 " and leave the batch unchanged, or set `block_major_accumulation=False`."
             )
         return window.result(position)
+
+    def closure_then_window(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (the last micro-batch's step and backward), then the window's backward if it did not run.
+
+        Where the last micro-batch returned ``None`` Lightning runs no backward for it; the window's backward still
+        has to run before the optimizer steps.
+        """
+
+        def wrapped() -> Any:
+            result = closure()
+            self.finish()
+            return result
+
+        return wrapped
 
     def finish(self) -> None:
         """Run the open window's backward if its last micro-batch's did not (Lightning's optimizer step is next)."""

@@ -267,49 +267,24 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._block_major is not None:
+            # NOTE [ A window's batches ] in accumulation.py; it plans for the window's batches first.
+            return self._block_major.training_step(self, args, kwargs, super().training_step, self._see_batch)
+        self._see_batch(args[0] if args else kwargs.get("batch"))
+        return super().training_step(*args, **kwargs)
+
+    def _see_batch(self, batch: Any) -> None:
         if self._planner is not None:
             # NOTE [ A budget that sees the batches ] in step_budget.py.
-            replanned = self._planner.see_batch(args[0] if args else kwargs.get("batch"))
-            if replanned is not None:
-                rank_zero_info(f"BlockwiseStrategy: {replanned}.")
-        if self._block_major is None or kwargs:
-            return super().training_step(*args, **kwargs)
-        # NOTE [ A window's batches ] in accumulation.py.
-        return self._block_major.training_step(
-            self.lightning_module.trainer,
-            args,
-            run=super().training_step,
-            read_batch=self._read_ahead,
-            see_batches=self._see_batches,
-        )
-
-    def _read_ahead(self, batch: Any) -> Any:
-        """What Lightning's loop makes of a batch before ``training_step`` (NOTE [ A window's batches ])."""
-        trainer = self.lightning_module.trainer
-        batch = trainer.precision_plugin.convert_input(batch)
-        batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-        return self.batch_to_device(batch, dataloader_idx=0)
-
-    def _see_batches(self, batches: list[Any]) -> None:
-        assert self._planner is not None
-        for batch in batches:
             replanned = self._planner.see_batch(batch)
             if replanned is not None:
                 rank_zero_info(f"BlockwiseStrategy: {replanned}.")
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._block_major is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        block_major = self._block_major
-
-        def closure_then_window() -> Any:
-            result = closure()
-            # The window's backward, where the last micro-batch's did not run it (it returned None, say).
-            block_major.finish()
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_window, model, **kwargs)
+        if self._block_major is not None:
+            closure = self._block_major.closure_then_window(closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @property
     @override
