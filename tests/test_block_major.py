@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.accumulation import refuse_unsupported
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.streamer import StreamObserver
@@ -459,3 +460,11 @@ def test_an_accumulation_schedule_runs_block_major(checkpoint: Path, resident: A
     )
     assert_equal_runs(windowed, resident)
     assert copies.copies < 30  # 2 windows; streamed per micro-batch it is 8 x ~10 (the first test: >= 3.5x more)
+
+
+def test_several_processes_refused() -> None:
+    """DDP would see each adapter gradient once per micro-batch inside one backward: refused before model work."""
+    module = CausalLMModule(lambda: build_model("llama", lora_dropout=0.0, attention_dropout=0.0))
+    with pytest.raises(MisconfigurationException, match="one device only"):
+        refuse_unsupported(trainer("auto"), module, list(module.model.get_decoder().layers), world_size=2)
+    refuse_unsupported(trainer("auto"), module, list(module.model.get_decoder().layers), world_size=1)
