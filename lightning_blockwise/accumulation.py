@@ -145,7 +145,6 @@ class BlockMajorSteps:
         self._workers: Workers | None = None
         self._lookahead: _Lookahead | None = None
         self._batches: list[Any] = []
-        self._start = 0
 
     def training_step(
         self,
