@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import LoraConfig, get_peft_model
 from torch import nn
@@ -26,19 +25,10 @@ from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.helpers.models import NUM_LAYERS, VOCAB, CausalLMModule, assert_equal_runs, fit, runs_differ
+from tests.helpers.models import NUM_LAYERS, CausalLMModule, assert_equal_runs, fit, moe_config, runs_differ
 
 _ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def moe_config() -> transformers.Qwen3MoeConfig:
-    """A tiny Qwen3-MoE: 4 experts, 2 per token, every layer sparse; attention dropout on."""
-    return transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, pad_token_id=0, attention_dropout=0.1,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from lightning_blockwise.planning import StepShape
 from lightning_blockwise.planning.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
 from lightning_blockwise.residency.layout import layout_block
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.helpers.models import CONFIGS, TARGETS, build_model
-from tests.test_moe import moe_config
+from tests.helpers.models import CONFIGS, TARGETS, build_model, moe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

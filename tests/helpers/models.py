@@ -63,6 +63,15 @@ GPU_SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 
 
+def moe_config() -> transformers.Qwen3MoeConfig:
+    """A tiny Qwen3-MoE: 4 experts, 2 per token, every layer sparse; attention dropout on."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, pad_token_id=0, attention_dropout=0.1,
+    )  # fmt: skip
+
+
 #: LoRA targets per architecture: every projection, fused ones for Phi-3.
 TARGETS: dict[str, list[str]] = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],

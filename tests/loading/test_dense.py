@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.helpers.models import CONFIGS
-from tests.test_moe import moe_config
+from tests.helpers.models import CONFIGS, moe_config
 
 
 def _save(config: object, path: Path, dtype: torch.dtype, max_shard_size: str | None = None) -> Path:
