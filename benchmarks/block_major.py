@@ -16,6 +16,7 @@ the peak allocated memory over the measured windows. One JSON line per arm.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.step_benchmark import BASES, SHAPES, BenchModule, build_model
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.residency.placement import detach_host_copy
 
 
 class WindowTimer(pl.Callback):
@@ -108,6 +110,10 @@ def main() -> None:
     rows = []
     for arm in args.arms:
         model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
+        # The earlier arm's arena is no longer bound: freed before this arm packs its own (a 32B dense base is a
+        # 62 GB arena; two at once do not fit a 128 GB host).
+        detach_host_copy(model.get_base_model())
+        gc.collect()
         torch.cuda.empty_cache()
         row = {
             "shape": args.shape,

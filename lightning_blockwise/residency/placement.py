@@ -108,6 +108,17 @@ def host_copy_of(model: nn.Module) -> HostCopy | None:
     return vars(model).get(_HOST_COPY_ATTR)
 
 
+def detach_host_copy(model: nn.Module) -> HostCopy | None:
+    """Let ``model`` forget its host copy, and return it (``None`` if it had none).
+
+    For a model moved off the arena (``model.to("cuda")``) before another blockwise run: that run would
+    pack a new arena while the model still holds the old one, two arenas in host RAM at once (the
+    strategy warns). Detached, the old arena is freed once nothing else holds it (the earlier run's
+    trainer and strategy included).
+    """
+    return vars(model).pop(_HOST_COPY_ATTR, None)
+
+
 def host_copy(
     stack: DecoderStack,
     plan: BlockPlan,

@@ -24,7 +24,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.planning.sizing import model_sizes
-from lightning_blockwise.residency.placement import host_copy_of
+from lightning_blockwise.residency.placement import detach_host_copy, host_copy_of
 from tests.helpers.models import (
     CONFIGS,
     GPU_SHAPES,
@@ -468,3 +468,16 @@ def test_gpu_training_equals_standard_path(gpu_checkpoint: Path) -> None:
         **kwargs,
     )
     assert_equal_runs(control, loaded)
+
+
+def test_a_detached_host_copy_is_not_reused(saved: dict[str, Path]) -> None:
+    """`detach_host_copy`: the model forgets its copy (freed once nothing holds it); the next run packs a new one."""
+    wrap = _lora("llama")
+    module = CausalLMModule(lambda: wrap(_load(saved["llama-bf16"], torch.float32, block_size=1)))
+    base = module.model.base_model.model
+    loaded = host_copy_of(base)
+    assert loaded is not None and detach_host_copy(base) is loaded
+    assert host_copy_of(base) is None and detach_host_copy(base) is None
+    strategy = BlockwiseStrategy(block_size=1)
+    fit(module, strategy, max_steps=1)
+    assert strategy.host_copy is not None and strategy.host_copy is not loaded
