@@ -16,7 +16,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_blockwise.architectures import DecoderStack
 from lightning_blockwise.replay.block_major import Window, WindowError, Workers
+from lightning_blockwise.replay.rng import RngSnapshot
 
 # NOTE [ A window's batches ]
 # A window's micro-batches must all be at hand when its first one is due (NOTE [ Block-major
@@ -72,7 +74,7 @@ class _Lookahead(Iterator):
         return list(self.ahead)[:count]
 
 
-def refuse_unsupported(trainer: Trainer, module: LightningModule, layers: list[nn.Module], world_size: int) -> None:
+def refuse_unsupported(module: LightningModule, stack: DecoderStack, world_size: int) -> None:
     """Refuse what block-major accumulation cannot run exactly, at setup (before any model work).
 
     Raises:
@@ -89,8 +91,8 @@ def refuse_unsupported(trainer: Trainer, module: LightningModule, layers: list[n
             f"{prefix} needs Lightning's automatic optimization (it follows `accumulate_grad_batches`); this module"
             " sets `automatic_optimization = False`."
         )
-    dropout = [m.p for layer in layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    config_dropout = getattr(_config_of(layers), "attention_dropout", 0.0) or 0.0
+    dropout = [m.p for layer in stack.layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    config_dropout = getattr(stack.model.config, "attention_dropout", 0.0) or 0.0
     if dropout or config_dropout > 0:
         p = dropout[0] if dropout else config_dropout
         raise MisconfigurationException(
@@ -117,15 +119,6 @@ def planned_window(trainer: Trainer) -> int:
         if isinstance(callback, GradientAccumulationScheduler)
     ]
     return max([trainer.accumulate_grad_batches, *schedules])
-
-
-def _config_of(layers: list[nn.Module]) -> Any:
-    for layer in layers:
-        for module in layer.modules():
-            config = getattr(module, "config", None)
-            if config is not None:
-                return config
-    return None
 
 
 class BlockMajorSteps:
@@ -189,10 +182,10 @@ class BlockMajorSteps:
             remaining = trainer.num_training_batches - ready
             count = int(min(accumulate, 1 + remaining))
             if count > 1:
-                rng = _rng_states()
+                rng = RngSnapshot.capture(self.device)
                 # Copies: a hook that works in place must not run twice on the tensors the loop gets.
                 ahead = [_read_like_the_loop(strategy, _clone(item[0])) for item in self._peek(trainer, count - 1)]
-                drew_ahead = any(not torch.equal(a, b) for a, b in zip(rng, _rng_states(), strict=True))
+                drew_ahead = not rng.unchanged()
                 batches = [args[0], *ahead]
                 if len(batches) > 1:
                     for batch in batches:
@@ -322,12 +315,6 @@ def _bits(tensor: Tensor) -> Tensor:
 def _clone(batch: Any) -> Any:
     """``batch`` with every tensor copied (mappings, sequences and dataclasses rebuilt)."""
     return apply_to_collection(batch, Tensor, lambda t: t.clone())
-
-
-def _rng_states() -> list[Tensor]:
-    """The torch generators' states in this process (CPU, and each initialized CUDA device)."""
-    cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else []
-    return [torch.get_rng_state(), *cuda]
 
 
 __all__ = [

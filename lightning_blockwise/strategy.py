@@ -203,7 +203,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             check_trainable(stack)
             window = planned_window(trainer) if self.block_major_accumulation else 1
             if window > 1:
-                refuse_unsupported(trainer, self.lightning_module, stack.layers, self.world_size)
+                refuse_unsupported(self.lightning_module, stack, self.world_size)
                 self._block_major = BlockMajorSteps(window, len(stack.layers), self.root_device)
             elif self.block_major_accumulation:
                 rank_zero_info("BlockwiseStrategy: block_major_accumulation has no effect: accumulate_grad_batches=1.")

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.accumulation import refuse_unsupported
+from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.streamer import StreamObserver
@@ -465,6 +466,7 @@ def test_an_accumulation_schedule_runs_block_major(checkpoint: Path, resident: A
 def test_several_processes_refused() -> None:
     """DDP would see each adapter gradient once per micro-batch inside one backward: refused before model work."""
     module = CausalLMModule(lambda: build_model("llama", lora_dropout=0.0, attention_dropout=0.0))
+    stack = find_decoder_stack(module)
     with pytest.raises(MisconfigurationException, match="one device only"):
-        refuse_unsupported(trainer("auto"), module, list(module.model.get_decoder().layers), world_size=2)
-    refuse_unsupported(trainer("auto"), module, list(module.model.get_decoder().layers), world_size=1)
+        refuse_unsupported(module, stack, world_size=2)
+    refuse_unsupported(module, stack, world_size=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.base import Pass
 
 if TYPE_CHECKING:
@@ -127,9 +128,9 @@ class Window:
         self._acquired: int | None = None
         # Whether each micro-batch's code before the decoder drew random numbers.
         self._drew_before = [False] * count
-        self._start_rng: dict[int, tuple[Tensor, ...]] = {}
-        self._tail_rng: dict[int, tuple[Tensor, ...]] = {}
-        self._layer_end_rng: dict[int, tuple[Tensor, ...]] = {}
+        self._start_rng: dict[int, RngSnapshot] = {}
+        self._tail_rng: dict[int, RngSnapshot] = {}
+        self._layer_end_rng: dict[int, RngSnapshot] = {}
         #: Whether reading the window's batches ahead drew random numbers (a data pipeline in this process).
         self.drew_ahead = False
 
@@ -145,10 +146,10 @@ class Window:
         _local.member = _Member(self, k)
         try:
             self._wait(("forward", 0, k))
-            self._start_rng[k] = _rng_state(self.device)
+            self._start_rng[k] = RngSnapshot.capture(self.device)
             result = step(k)
             drew_elsewhere = self.drew_ahead or any(self._drew_before[k + 1 :])
-            if k in self._tail_rng and _drew(self._tail_rng[k], self.device) and drew_elsewhere:
+            if k in self._tail_rng and not self._tail_rng[k].unchanged() and drew_elsewhere:
                 raise WindowError(_draws_message(f"the code after the decoder in micro-batch {k}'s training_step"))
             with self._cond:
                 if self._layer_reached[k] == -1:
@@ -221,12 +222,12 @@ class Window:
             )
         if layer == 0:
             _refuse_trainable_before(hidden)
-            self._drew_before[k] = _drew(self._start_rng[k], hidden.device)
+            self._drew_before[k] = not self._start_rng[k].unchanged()
             if self._drew_before[k] and self.drew_ahead:
                 raise WindowError(_draws_message(f"the code before the decoder in micro-batch {k}'s training_step"))
         else:
             # The code between two layers ran in this micro-batch's turn; only now does the turn pass on.
-            if _drew(self._layer_end_rng[k], hidden.device):
+            if not self._layer_end_rng[k].unchanged():
                 raise WindowError(
                     _draws_message(f"the code between decoder layers {layer - 1} and {layer} of micro-batch {k}")
                 )
@@ -238,14 +239,14 @@ class Window:
         if k == self._active[0]:
             remat.residency.acquire(layer, Pass.FORWARD)
             self._acquired = layer
-        rng = _rng_state(hidden.device)
+        rng = RngSnapshot.capture(hidden.device)
         last = layer == self.num_layers - 1
         if last:
             output = _WindowTop.apply(self, k, remat, call, hidden, remat.anchor)
         else:
             with torch.no_grad():
                 output = remat.run(hidden, call)
-        if _drew(rng, hidden.device):
+        if not rng.unchanged():
             raise WindowError(_draws_message(f"decoder layer {layer} of micro-batch {k}"))
         self._saved[k][layer] = _Saved(hidden, hidden._version, call)
         with self._cond:
@@ -255,12 +256,13 @@ class Window:
             if last:
                 self._advance(layer, k)
         if not last:
-            self._layer_end_rng[k] = _rng_state(hidden.device)
+            # Nothing drew during the layer (checked above): its starting state is the state at its end.
+            self._layer_end_rng[k] = rng
             # Differentiable only to refuse a loss on it (`output_hidden_states`): its gradient would be lost.
             return _Intermediate.apply(layer, k, output, remat.anchor)
         # The rest of the step runs when Lightning asks for this micro-batch (`result`).
         self._wait(("tail", k))
-        self._tail_rng[k] = _rng_state(hidden.device)
+        self._tail_rng[k] = RngSnapshot.capture(hidden.device)
         return output
 
     # -- the thread Lightning runs ------------------------------------------------------------------
@@ -452,17 +454,6 @@ _TRAINABLE_BEFORE = (
     " trainable embedding, `modules_to_save=['embed_tokens']`); block-major accumulation does not propagate the"
     " gradient below the decoder. Freeze them, or set `block_major_accumulation=False`."
 )
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
-    if device.type == "cuda":
-        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
-    return (torch.get_rng_state(),)
-
-
-def _drew(before: Sequence[Tensor], device: torch.device) -> bool:
-    """Whether the generators moved since ``before`` was taken."""
-    return any(not torch.equal(a, b) for a, b in zip(before, _rng_state(device), strict=True))
 
 
 def _draws_message(where: str) -> str:

@@ -48,6 +48,12 @@ class RngSnapshot:
             return cls(torch.get_rng_state(), device, torch.cuda.get_rng_state(device))
         return cls(torch.get_rng_state(), None, None)
 
+    def unchanged(self) -> bool:
+        """Whether the generators are still in the captured state (nothing drew from them since)."""
+        now = RngSnapshot.capture(self.device or torch.device("cpu"))
+        same_device = self.device_state is None or torch.equal(self.device_state, now.device_state)
+        return same_device and torch.equal(self.cpu_state, now.cpu_state)
+
     @contextmanager
     def replay(self) -> Iterator[None]:
         """Run the body with the captured states, then put the current states back.

@@ -179,3 +179,11 @@ def test_no_capture_under_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
     assert captured["calls"] == 0 and len(module.val_losses) == 2
     fit(module, "blockwise", max_steps=1)
     assert captured["calls"] == 2 * NUM_LAYERS  # two micro-batches
+
+
+def test_rng_snapshot_sees_a_draw() -> None:
+    """`RngSnapshot.unchanged`: true until something draws from the generator (block-major's RNG checks)."""
+    snapshot = RngSnapshot.capture(torch.device("cpu"))
+    assert snapshot.unchanged()
+    torch.rand(1)
+    assert not snapshot.unchanged()
