@@ -30,7 +30,8 @@ from lightning_blockwise.replay.rng import RngSnapshot
 # with `transfer_batch_to_device` and `on_after_batch_transfer`) the strategy does to the ones
 # it reads ahead, so those hooks run twice for micro-batches 1..G-1 of a window (once when read
 # ahead, once when the loop reaches them), and when the loop hands micro-batch k to
-# `training_step`, it is compared with the one read ahead (bit for bit): a hook that
+# `training_step`, it is compared with the one read ahead (bit for bit; on a GPU the results are
+# read once per window, before the optimizer step, not per micro-batch): a hook that
 # transforms at random is refused there (the batches read ahead are transformed from copies, so
 # a hook that works in place does not run twice on the loop's tensors). A checkpoint written
 # inside a window records the loaders' state as of the batches the loop has taken, not past the
@@ -137,6 +138,8 @@ class BlockMajorSteps:
         self._current: Window | None = None
         self._workers: Workers | None = None
         self._lookahead: _Lookahead | None = None
+        #: Device-side comparisons of the loop's batches with those read ahead, not read yet: (batch index, flag).
+        self._unchecked: list[tuple[int, Tensor]] = []
         self._batches: list[Any] = []
 
     def training_step(
@@ -198,14 +201,12 @@ class BlockMajorSteps:
             # No window covers this batch (a resume that starts inside one): the usual step, exact as well.
             see_batch(args[0])
             return run(*args)
-        if not _same(args[0], self._batches[position]):
-            raise WindowError(
-                f"BlockwiseStrategy(block_major_accumulation=True): batch {ready - 1} of this epoch differs from the"
-                " one read ahead for it (NOTE [ A window's batches ]): a batch transfer hook"
-                " (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) that is not"
-                " deterministic, or an `on_train_batch_start` hook that changes the batch. Make it deterministic"
-                " and leave the batch unchanged, or set `block_major_accumulation=False`."
-            )
+        differs = _differs(args[0], self._batches[position])
+        if differs is True:
+            raise WindowError(_differs_message(ready - 1))
+        if isinstance(differs, Tensor):
+            # On the device: read once per window, before the optimizer step (`check_batches`), not per micro-batch.
+            self._unchecked.append((ready - 1, differs))
         return window.result(position)
 
     def closure_then_window(self, closure: Callable[[], Any]) -> Callable[[], Any]:
@@ -218,9 +219,24 @@ class BlockMajorSteps:
         def wrapped() -> Any:
             result = closure()
             self.finish()
+            self.check_batches()
             return result
 
         return wrapped
+
+    def check_batches(self) -> None:
+        """Raise if a batch compared on the device differed from the one read ahead (one synchronization).
+
+        Raises:
+            WindowError: Naming the first such batch.
+        """
+        if not self._unchecked:
+            return
+        indices, flags = zip(*self._unchecked, strict=True)
+        self._unchecked = []
+        for index, flag in zip(indices, torch.stack(flags).tolist(), strict=True):
+            if flag:
+                raise WindowError(_differs_message(index))
 
     def finish(self) -> None:
         """Run the open window's backward if its last micro-batch's did not (Lightning's optimizer step is next)."""
@@ -260,6 +276,7 @@ class BlockMajorSteps:
         return window.result(0)
 
     def _close_window(self) -> None:
+        self._unchecked = []
         if self._current is not None:
             self._current.abort()
             self._current, self._batches = None, []
@@ -285,24 +302,53 @@ class BlockMajorSteps:
         return held + fetcher.iterator.peek(count - len(held))
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether two batches hold the same values bit for bit (NaN equals NaN), in mappings, sequences, dataclasses."""
+def _differs(a: Any, b: Any) -> bool | Tensor:
+    """Whether two batches differ, bit for bit (NaN equals NaN), through mappings, sequences and dataclasses.
+
+    A ``bool`` where the host can tell without waiting for the device; else a 0-dim bool tensor on the
+    batches' device, so that comparing GPU batches does not synchronize every micro-batch.
+    """
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
-            return False
+            return True
         if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
-            return False
-        return torch.equal(_bits(a), _bits(b))
+            return True
+        flag = (_bits(a) != _bits(b)).any()
+        return bool(flag) if flag.device.type == "cpu" else flag
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+        if a.keys() != b.keys():
+            return True
+        return _any([_differs(a[key], b[key]) for key in a])
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        if type(a) is not type(b) or len(a) != len(b):
+            return True
+        return _any([_differs(x, y) for x, y in zip(a, b, strict=True)])
     if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and not isinstance(a, type):
-        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+        if type(a) is not type(b):
+            return True
+        return _any([_differs(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)])
     try:
-        return bool(a == b)
+        return not bool(a == b)
     except Exception:  # an object without a usable `==` is compared by identity
-        return a is b
+        return a is not b
+
+
+def _any(parts: list[bool | Tensor]) -> bool | Tensor:
+    """True if a part is; else the device-side parts combined (False if there are none)."""
+    if any(part is True for part in parts):
+        return True
+    flags = [part for part in parts if isinstance(part, Tensor)]
+    return torch.stack(flags).any() if flags else False
+
+
+def _differs_message(index: int) -> str:
+    return (
+        f"BlockwiseStrategy(block_major_accumulation=True): batch {index} of this epoch differs from the one read ahead"
+        " for it (NOTE [ A window's batches ]): a batch transfer hook (`on_before_batch_transfer`,"
+        " `transfer_batch_to_device`, `on_after_batch_transfer`) that is not deterministic, or an"
+        " `on_train_batch_start` hook that changes the batch. Make it deterministic and leave the batch unchanged,"
+        " or set `block_major_accumulation=False`."
+    )
 
 
 def _bits(tensor: Tensor) -> Tensor:

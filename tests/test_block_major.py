@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.accumulation import refuse_unsupported
+from lightning_blockwise.accumulation import BlockMajorSteps, _differs, refuse_unsupported
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
@@ -470,3 +470,18 @@ def test_several_processes_refused() -> None:
     with pytest.raises(MisconfigurationException, match="one device only"):
         refuse_unsupported(module, stack, world_size=2)
     refuse_unsupported(module, stack, world_size=1)
+
+
+def test_batch_comparison_bit_for_bit_and_read_once_per_window() -> None:
+    """`_differs`: NaN equals NaN, a changed element or structure differs; device-side flags raise at the check."""
+    batch = {"ids": torch.tensor([1, 2]), "x": torch.tensor([float("nan"), 1.0]), "meta": [3, "a"]}
+    assert _differs(batch, {**batch, "x": batch["x"].clone()}) is False
+    assert _differs(batch, {**batch, "ids": torch.tensor([1, 3])}) is True
+    assert _differs(batch, {**batch, "meta": [3, "b"]}) is True
+    assert _differs(batch, {"ids": batch["ids"]}) is True
+    steps = BlockMajorSteps(ACCUMULATE, num_layers=2, device=torch.device("cpu"))
+    steps._unchecked = [(5, torch.tensor(False)), (6, torch.tensor(False))]
+    steps.check_batches()  # control: nothing differed
+    steps._unchecked = [(5, torch.tensor(False)), (6, torch.tensor(True))]
+    with pytest.raises(WindowError, match="batch 6 of this epoch differs"):
+        steps.check_batches()
