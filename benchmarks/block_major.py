@@ -26,38 +26,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.step_benchmark import BASES, SHAPES, BenchModule, build_model
+from benchmarks.step_benchmark import BASES, SHAPES, BenchModule, StepTimer, build_model
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.residency.placement import detach_host_copy
-
-
-class WindowTimer(pl.Callback):
-    """Wall time and host-to-device bytes of each optimizer step's window of micro-batches."""
-
-    def __init__(self, accumulate: int, warmup: int) -> None:
-        self.accumulate, self.warmup = accumulate, warmup
-        self.times: list[float] = []
-        self.h2d: list[int] = []
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if idx % self.accumulate:
-            return
-        torch.cuda.synchronize()
-        if idx == self.warmup * self.accumulate:
-            torch.cuda.reset_peak_memory_stats()
-        streamer = getattr(trainer.strategy, "streamer", None)
-        if streamer is not None:
-            streamer.reset_stats()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        idx = args[-1]
-        if (idx + 1) % self.accumulate or idx < self.warmup * self.accumulate:
-            return
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self._start)
-        streamer = getattr(trainer.strategy, "streamer", None)
-        self.h2d.append(streamer.stats.bytes if streamer is not None else 0)
 
 
 def run_arm(model: torch.nn.Module, arm: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -70,7 +41,7 @@ def run_arm(model: torch.nn.Module, arm: str, args: argparse.Namespace, vocab: i
     strategy: Any = "auto"
     if arm.startswith("blockwise"):
         strategy = BlockwiseStrategy(budget_tokens=args.seq, block_major_accumulation=arm.endswith(":block_major"))
-    timer = WindowTimer(args.accumulate, args.warmup)
+    timer = StepTimer(args.warmup * args.accumulate, group=args.accumulate)
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.windows,
         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -83,7 +54,7 @@ def run_arm(model: torch.nn.Module, arm: str, args: argparse.Namespace, vocab: i
     return {
         "s_per_window": window,
         "s_per_micro_batch": window / args.accumulate,
-        "h2d_gb_per_window": statistics.median(timer.h2d) / 1e9,
+        "h2d_gb_per_window": statistics.median(timer.h2d_bytes) / 1e9,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
         "windows": [round(t, 3) for t in timer.times],
         "fit_s": fit_s,

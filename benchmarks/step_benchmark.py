@@ -14,8 +14,9 @@ Bases: `nf4` (default) as above; `dense`, the same shape random-init in bf16 on 
 init (nothing quantized; ~2 bytes per parameter: a 32B base is 65 GB on the GPU while it is built,
 then the blockwise arms move its layers into a 62 GB pinned host arena), what
 `load_blockwise(quantize=False)` gives. With `--accumulate G` each optimizer step takes G
-micro-batches (`Trainer(accumulate_grad_batches=G)`): `s_per_step` is then the mean time per
-micro-batch over the measured optimizer steps, and `h2d_gb_per_step` the bytes per optimizer step.
+micro-batches (`Trainer(accumulate_grad_batches=G)`): `s_per_step` is then the median optimizer step's
+time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step (whole steps timed; before
+this, per-micro-batch counters missed the prefetches issued ahead of each micro-batch).
 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
@@ -83,15 +84,24 @@ class BenchModule(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
-    """Wall time of each training step (synchronized) and peak allocated VRAM after the warm-up."""
+    """Wall time (synchronized) and host-to-device bytes of each group of ``group`` batches, and the peak after warm-up.
 
-    def __init__(self, warmup: int) -> None:
-        #: Micro-batches of warm-up (optimizer steps times ``accumulate_grad_batches``).
-        self.warmup = warmup
+    ``group=1`` times every batch; ``group=accumulate_grad_batches`` times whole optimizer steps (a window of
+    micro-batches, from its first batch's start to its last batch's end, the copies issued for any of them counted).
+
+    Args:
+        warmup: Batches of warm-up, a multiple of ``group``.
+        group: Batches timed together.
+    """
+
+    def __init__(self, warmup: int, group: int = 1) -> None:
+        self.warmup, self.group = warmup, group
         self.times: list[float] = []
         self.h2d_bytes: list[int] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx % self.group:
+            return
         torch.cuda.synchronize()
         if idx == self.warmup:
             torch.cuda.reset_peak_memory_stats()
@@ -101,11 +111,13 @@ class StepTimer(pl.Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        idx = args[-1]
+        if (idx + 1) % self.group or idx < self.warmup:
+            return
         torch.cuda.synchronize()
-        if args[-1] >= self.warmup:
-            self.times.append(time.perf_counter() - self._start)
-            streamer = getattr(trainer.strategy, "streamer", None)
-            self.h2d_bytes.append(streamer.stats.bytes if streamer is not None else 0)
+        self.times.append(time.perf_counter() - self._start)
+        streamer = getattr(trainer.strategy, "streamer", None)
+        self.h2d_bytes.append(streamer.stats.bytes if streamer is not None else 0)
 
 
 def build_model(shape: str, device: torch.device, base: str = "nf4") -> tuple[nn.Module, transformers.PretrainedConfig]:
@@ -163,7 +175,7 @@ def run_arm(
     for _ in range((warmup + steps) * accumulate):
         ids = torch.randint(0, vocab, (1, seq), generator=gen)
         batches.append({"input_ids": ids, "labels": ids})
-    timer = StepTimer(warmup * accumulate)
+    timer = StepTimer(warmup * accumulate, group=accumulate)
     strategy: Any = "auto"
     if arm.startswith("blockwise"):
         _, block_size, prefetch_depth, *budget = arm.split(":")
@@ -190,14 +202,9 @@ def run_arm(
     if arm == "resident_ckpt":
         model.gradient_checkpointing_disable()
     torch.cuda.empty_cache()
-    if accumulate == 1:
-        median = statistics.median(timer.times)
-        h2d = statistics.median(timer.h2d_bytes) / 1e9
-    else:
-        # Micro-batches of one optimizer step differ (the last one steps the optimizer; a block-major run copies
-        # in some of them only): whole optimizer steps are what compares.
-        median = sum(timer.times) / len(timer.times)
-        h2d = sum(timer.h2d_bytes) / steps / 1e9
+    # Whole optimizer steps are timed (micro-batches of one differ: the last steps the optimizer); per micro-batch.
+    median = statistics.median(timer.times) / accumulate
+    h2d = statistics.median(timer.h2d_bytes) / 1e9
     row = {
         "s_per_step": median, "peak_gb": peak, "tokens_per_s": seq / median,
         "h2d_gb_per_step": h2d, "h2d_gb_per_s": h2d / (median * accumulate),
