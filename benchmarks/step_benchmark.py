@@ -15,8 +15,7 @@ init (nothing quantized; ~2 bytes per parameter: a 32B base is 65 GB on the GPU 
 then the blockwise arms move its layers into a 62 GB pinned host arena), what
 `load_blockwise(quantize=False)` gives. With `--accumulate G` each optimizer step takes G
 micro-batches (`Trainer(accumulate_grad_batches=G)`): `s_per_step` is then the median optimizer step's
-time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step (whole steps timed; before
-this, per-micro-batch counters missed the prefetches issued ahead of each micro-batch).
+time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step (whole steps timed).
 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
