@@ -13,6 +13,7 @@ from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.device_memory import blas_workspace_bytes
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
+from lightning_blockwise.planning.speed import StepTimes
 
 # NOTE [ A budget that sees the batches ]
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
@@ -77,6 +78,8 @@ class StepBudget:
         adapter_dropout: The adapters apply dropout (a kept graph holds their dropped-out inputs).
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with block-major
             accumulation, else 1; over 1, nothing is kept or offloaded (NOTE [ Block-major accumulation ]).
+        times: A timed training step: kept and resident blocks are then chosen for the least predicted
+            step time (NOTE [ Spending the budget on time ] in planning/speed.py); ``None``: not timed.
     """
 
     config: Any
@@ -95,6 +98,7 @@ class StepBudget:
     keep_activations: bool = False
     adapter_dropout: bool = True
     window: int = 1
+    times: StepTimes | None = None
 
     @classmethod
     def for_module(
@@ -184,6 +188,8 @@ class StepBudget:
                     activation_bytes=shape.activation_peak(),
                     budget=self.budget,
                     graph_bytes=self._graph_bytes(shape),
+                    times=self.times,
+                    block_layers=list(self.block_layers),
                 )
             except ValueError as failure:
                 error = failure
@@ -202,6 +208,20 @@ class StepBudget:
             return None
         return [layers * shape.layer_graph() for layers in self.block_layers]
 
+    def timing_helps(self, plan: StepPlan) -> bool:
+        """Whether a timed step could change ``plan``: graphs may be kept, and not every block is kept and resident."""
+        if self._graph_bytes(plan.shape) is None:
+            return False
+        everything = len(self.block_bytes)
+        return len(plan.residency.kept) < everything or len(plan.residency.resident) < everything
+
+    def predicted_seconds(self, plan: StepPlan) -> float | None:
+        """The decoder's predicted time per step under ``plan``, from the timed step; ``None`` before one."""
+        if self.times is None:
+            return None
+        residency = plan.residency
+        return self.times.step_seconds(self.block_layers, self.block_bytes, len(residency.resident), residency.kept)
+
     def layer_graph(self, tokens: int) -> int:
         """Bytes of one layer's autograd graph at ``tokens`` tokens (what a resident layer keeps)."""
         return self.shape(tokens, offload=False).layer_graph()
@@ -214,7 +234,10 @@ class StepBudget:
             else ""
         )
         kept = plan.residency.kept
-        kept_text = f"{len(kept)} blocks keep their activations (not recomputed), " if kept else ""
+        streamed = len(set(kept) - set(plan.residency.resident))
+        kept_text = (
+            f"{len(kept)} blocks keep their activations (not recomputed; {streamed} of them streamed), " if kept else ""
+        )
         if self.window > 1:
             kept_text += f"block-major accumulation over {self.window} micro-batches (nothing kept or offloaded), "
         return (

@@ -76,6 +76,10 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
             keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
             the step waits on the host link (NOTE [ Kept activations ] in planning/memory.py).
+        timed_plan: With a ``vram_budget`` and ``keep_activations``, time the second training step (a layer's forward
+            and backward, the copies) and plan again from it: streamed blocks may then keep their graphs too, and the
+            budget goes where it saves the most time on this machine (NOTE [ Spending the budget on time ] in
+            planning/speed.py). ``False`` keeps the first plan.
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
@@ -123,6 +127,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         budget_tokens: int | None = None,
         offload_activations: bool | None = None,
         keep_activations: bool = True,
+        timed_plan: bool = True,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
         share_host_copy: bool | None = None,
@@ -147,6 +152,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             check_count("budget_tokens", budget_tokens)
         check_optional_bool("offload_activations", offload_activations)
         check_bool("keep_activations", keep_activations)
+        check_bool("timed_plan", timed_plan)
         check_bool("block_major_accumulation", block_major_accumulation)
         if block_major_accumulation and offload_activations:
             raise MisconfigurationException(
@@ -175,6 +181,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         self.budget_tokens = budget_tokens
         self.offload_activations = offload_activations
         self.keep_activations = keep_activations
+        self.timed_plan = timed_plan
         self._planner: StepPlanner | None = None
         self.allow_unvalidated = allow_unvalidated
         self.save_frozen_base = save_frozen_base
@@ -242,7 +249,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             keep_activations=self.keep_activations,
             window=self._block_major.window if self._block_major is not None else 1,
         )
-        self._planner = StepPlanner(budget, self._budget_owner)
+        self._planner = StepPlanner(budget, self._budget_owner, timed=self.timed_plan)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
         plan = self._planner.first_plan(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
@@ -270,7 +277,10 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         if self._block_major is not None:
             # NOTE [ A window's batches ] in accumulation.py; it plans for the window's batches first.
             return self._block_major.training_step(self, args, kwargs, super().training_step, self._see_batch)
-        self._see_batch(args[0] if args else kwargs.get("batch"))
+        if self._planner is not None:
+            # NOTE [ A budget that sees the batches ] in step_budget.py, NOTE [ Spending the budget on time ].
+            for line in self._planner.before_step(args[0] if args else kwargs.get("batch")):
+                rank_zero_info(f"BlockwiseStrategy: {line}.")
         return super().training_step(*args, **kwargs)
 
     def _see_batch(self, batch: Any) -> None:

@@ -40,8 +40,9 @@ class StreamedStack:
         device: The compute device.
         prefetch_depth: Blocks copied ahead of the one in use.
         resident: Blocks kept on the device for the whole run.
-        kept: Resident blocks whose layers run with plain autograd, their graphs kept from the
-            forward to the backward (NOTE [ Kept activations ] in planning/memory.py).
+        kept: Blocks whose layers keep their graphs from the forward to the backward instead of
+            recomputing them (NOTE [ Kept activations ] in planning/memory.py): resident ones run
+            with plain autograd, streamed ones through :class:`~lightning_blockwise.replay.kept.KeptFunction`.
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class StreamedStack:
         self.device = device
         self.prefetch_depth = prefetch_depth
         self.resident = tuple(sorted(resident))
-        self.kept = _kept(kept, self.resident)
+        self.kept = tuple(sorted(kept))
         #: Kept layers whose Hugging Face gradient checkpointing was on, switched off while kept; put back at close.
         self._checkpointing_off: list[nn.Module] = []
         self._observer = StreamObserver()
@@ -81,9 +82,10 @@ class StreamedStack:
     def install(self) -> None:
         """Install the rematerializing forward, reading blocks through the streamer, on every layer not kept."""
         assert self.streamer is not None
-        remat.install(self.layers, self._layer_params(), self.streamer, self.offload)
-        # NOTE [ Kept activations ] in planning/memory.py: their blocks are resident, so plain autograd is safe.
-        kept = [self.layers[i] for block in self.kept for i in self.plan.layers_of(block)]
+        streamed_kept = {i for block in self.kept if block not in self.resident for i in self.plan.layers_of(block)}
+        remat.install(self.layers, self._layer_params(), self.streamer, self.offload, keep=streamed_kept)
+        # NOTE [ Kept activations ] in planning/memory.py: a resident block never moves, so plain autograd is safe.
+        kept = [self.layers[i] for block in self.kept if block in self.resident for i in self.plan.layers_of(block)]
         remat.uninstall(kept)
         for layer in kept:
             # Kept means not recomputed: not by Hugging Face's checkpointing either (on after
@@ -114,13 +116,14 @@ class StreamedStack:
     def restream(self, resident: Iterable[int] | None = None, kept: Iterable[int] | None = None) -> None:
         """Replace the streamer by a fresh one keeping ``resident`` (default: the same blocks) on the device.
 
-        ``kept`` (default: the same blocks) are the resident blocks whose layers keep their graphs.
+        ``kept`` (default: the same blocks) are the blocks whose layers keep their graphs.
         Resident blocks are copied from the host arena again, so this also picks up bytes
         written into the arena since (a checkpoint's frozen base).
         """
         if resident is not None:
             self.resident = tuple(sorted(resident))
-        self.kept = _kept(self.kept if kept is None else kept, self.resident)
+        if kept is not None:
+            self.kept = tuple(sorted(kept))
         self._close_streamer()
         self.streamer = self._new_streamer(self.resident)
         self.install()
@@ -138,7 +141,7 @@ class StreamedStack:
 
     @contextmanager
     def all_rematerialized(self) -> Iterator[None]:
-        """Rematerialize every layer while the context is open, the kept blocks' too (they stay resident).
+        """Rematerialize every layer while the context is open, the kept blocks' too.
 
         ParityCheck's blockwise arm (NOTE [ Prefix parity ] in verification/check.py): a kept layer runs
         as in resident training, so comparing it with the reference would check nothing.
@@ -219,13 +222,6 @@ class StreamedStack:
 
     def _layer_params(self) -> list[list[nn.Parameter]]:
         return [[p for p in adapter_parameters(layer).values() if p.requires_grad] for layer in self.layers]
-
-
-def _kept(kept: Iterable[int], resident: tuple[int, ...]) -> tuple[int, ...]:
-    kept = tuple(sorted(kept))
-    if not set(kept) <= set(resident):
-        raise ValueError(f"kept blocks {kept} must be resident ({resident}): a kept graph reads its block at backward.")
-    return kept
 
 
 __all__ = ["StreamedStack"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_blockwise.planning.speed import StepTimes, choose_blocks
 from lightning_blockwise.planning.units import format_gib
 
 #: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
@@ -207,9 +208,13 @@ class StepShape:
 # reference already runs (NOTE [ Resident prefix ] in streamed_stack.py), bit-identical to
 # resident training; the block stays bound to the same device copy until its backward, since
 # resident blocks change only between steps (NOTE [ Graphs do not outlive residency ] in
-# replay/remat.py). The planner keeps blocks from the first one on while the budget holds their
-# slabs and graphs, then spends what is left on resident blocks only, which save copies, worth it
-# only where the step waits on the link (`keep_activations=False` spends the whole budget so).
+# replay/remat.py). A streamed block may keep its graphs as well: its backward brings it back
+# to the slot it had in the forward first (NOTE [ Kept graphs of streamed blocks ] in
+# replay/kept.py). Until a step has been timed the planner keeps resident blocks from the first
+# one on while the budget holds their slabs and graphs, then spends what is left on resident
+# blocks only, which save copies, worth it only where the step waits on the link; once timed,
+# it spends the budget where the measured step says it saves the most (NOTE [ Spending the
+# budget on time ] in speed.py). `keep_activations=False` spends the whole budget on residency.
 
 
 @dataclass(frozen=True)
@@ -218,8 +223,8 @@ class ResidencyPlan:
 
     Attributes:
         resident: Blocks copied to the device once and kept there.
-        kept: Resident blocks whose layers keep their autograd graph from the forward to the
-            backward instead of recomputing it (NOTE [ Kept activations ]); a prefix of ``resident``.
+        kept: Blocks whose layers keep their autograd graph from the forward to the backward
+            instead of recomputing it (NOTE [ Kept activations ]); resident or streamed.
         num_slots: Device slots for the streamed blocks.
         slot_bytes: Bytes of one slot (the largest streamed block).
         predicted_peak: Predicted peak allocated device memory of a training step, in bytes.
@@ -250,7 +255,8 @@ def with_headroom(allocated: int) -> int:
 
 def plan_residency(
     block_bytes: list[int], prefetch_depth: int, fixed_bytes: int, trainable_bytes: int, activation_bytes: int,
-    budget: int | None, graph_bytes: list[int] | None = None,
+    budget: int | None, graph_bytes: list[int] | None = None, times: StepTimes | None = None,
+    block_layers: list[int] | None = None,
 ) -> ResidencyPlan:  # fmt: skip
     """Keep as many blocks resident as ``budget`` allows; stream the rest (all of them without a budget).
 
@@ -261,7 +267,9 @@ def plan_residency(
     kept resident from the first one on: every block but those around the forward/backward turn
     is loaded twice per step, so any resident block saves the same traffic. With ``graph_bytes``
     the budget first goes to kept blocks (resident, and their layers' graphs kept: no recompute),
-    from the first on, then to more resident blocks (NOTE [ Kept activations ]).
+    from the first on, then to more resident blocks (NOTE [ Kept activations ]); with ``times`` as well,
+    it goes where the measured step says it saves the most time, and streamed blocks may keep
+    their graphs too (NOTE [ Spending the budget on time ] in speed.py).
 
     Args:
         block_bytes: Each block's slab size.
@@ -272,22 +280,23 @@ def plan_residency(
         budget: The cap on the allocator, in bytes, or ``None`` to stream every block.
         graph_bytes: Each block's layers' autograd graphs (:meth:`StepShape.layer_graph` per layer),
             what keeping it costs beyond its slab; ``None``: every layer is recomputed.
+        times: A timed training step at these tokens, or ``None``.
+        block_layers: Layers in each block (needed with ``times``).
 
     Raises:
         ValueError: If ``budget`` is below the minimum (every block streamed).
     """
     base = fixed_bytes + 3 * trainable_bytes + activation_bytes
 
-    def peak(resident: int, kept: int = 0) -> tuple[int, int, int]:
+    def peak(resident: int, kept_bytes: int = 0) -> tuple[int, int, int]:
         streamed = block_bytes[resident:]
         slots = min(prefetch_depth + 1, len(streamed))
         slot_bytes = max(streamed, default=0)
-        kept_graphs = sum(graph_bytes[:kept]) if graph_bytes is not None else 0
-        return base + slots * slot_bytes + sum(block_bytes[:resident]) + kept_graphs, slots, slot_bytes
+        return base + slots * slot_bytes + sum(block_bytes[:resident]) + kept_bytes, slots, slot_bytes
 
-    def fits(resident: int, kept: int) -> bool:
+    def fits(resident: int, kept_bytes: int) -> bool:
         assert budget is not None
-        return with_headroom(peak(resident, kept)[0]) <= budget
+        return with_headroom(peak(resident, kept_bytes)[0]) <= budget
 
     streamed_peak, slots, slot_bytes = peak(0)
     minimum = with_headroom(streamed_peak)
@@ -301,14 +310,20 @@ def plan_residency(
             f" {ALLOCATOR_SLACK // 2**20} MiB for the allocator). Raise the budget to at least {format_gib(minimum)},"
             " or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."
         )
-    kept = 0
-    while graph_bytes is not None and kept < len(block_bytes) and fits(kept + 1, kept + 1):
-        kept += 1
-    resident = kept
-    while resident < len(block_bytes) and fits(resident + 1, kept):
-        resident += 1
-    predicted, slots, slot_bytes = peak(resident, kept)
-    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum, tuple(range(kept)))
+    if times is not None and graph_bytes is not None:
+        assert block_layers is not None, "a timed plan needs the layers of each block"
+        resident, kept_blocks = choose_blocks(times, block_layers, block_bytes, graph_bytes, fits)
+    else:
+        kept = 0
+        while graph_bytes is not None and kept < len(block_bytes) and fits(kept + 1, sum(graph_bytes[: kept + 1])):
+            kept += 1
+        resident = kept
+        while resident < len(block_bytes) and fits(resident + 1, sum(graph_bytes[:kept]) if graph_bytes else 0):
+            resident += 1
+        kept_blocks = tuple(range(kept))
+    kept_bytes = sum(graph_bytes[i] for i in kept_blocks) if graph_bytes is not None else 0
+    predicted, slots, slot_bytes = peak(resident, kept_bytes)
+    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum, kept_blocks)
 
 
 __all__ = [

@@ -139,7 +139,7 @@ class Timeline:
     @classmethod
     def of(cls, batch: BatchRecord) -> Timeline:
         """The timeline of a batch whose events have completed."""
-        ms = lambda mark: _ms(batch.start, mark)  # noqa: E731
+        ms = lambda mark: elapsed_ms(batch.start, mark)  # noqa: E731
         return cls(
             index=batch.index,
             step_ms=ms(batch.end),
@@ -149,7 +149,8 @@ class Timeline:
         )
 
 
-def _ms(origin: Mark, mark: Mark) -> float:
+def elapsed_ms(origin: Mark, mark: Mark) -> float:
+    """Milliseconds from ``origin`` to ``mark`` (both completed CUDA events, or both host clock readings)."""
     if isinstance(origin, float) and isinstance(mark, float):
         return (mark - origin) * 1e3
     assert isinstance(origin, torch.cuda.Event) and isinstance(mark, torch.cuda.Event)
@@ -240,4 +241,4 @@ class BatchTracer:
         return read
 
 
-__all__ = ["BatchRecord", "BatchTracer", "Mark", "Timeline", "Trace"]
+__all__ = ["BatchRecord", "BatchTracer", "Mark", "Timeline", "Trace", "elapsed_ms"]

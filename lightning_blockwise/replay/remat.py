@@ -5,7 +5,7 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.kept import KeptFunction
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass, Residency
@@ -67,6 +68,9 @@ class RematLayer:
         params: Its trainable parameters (the adapters).
         residency: Makes the layer's frozen tensors usable while it runs.
         offload: Where the layer's input waits for the backward; ``None`` keeps it on the device.
+        keep: Keep the forward's graph to the backward instead of recomputing it (a layer of a
+            streamed block whose activations fit the budget: NOTE [ Kept graphs of streamed blocks ]
+            in kept.py).
     """
 
     def __init__(
@@ -76,12 +80,14 @@ class RematLayer:
         params: Sequence[nn.Parameter],
         residency: Residency,
         offload: ActivationOffload | None = None,
+        keep: bool = False,
     ) -> None:
         self.layer = layer
         self.index = index
         self.params = tuple(params)
         self.residency = residency
         self.offload = offload
+        self.keep = keep
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
         # The class's own forward: Hugging Face's checkpointing wrapper included, but that is
@@ -117,6 +123,8 @@ class RematLayer:
             self.residency.release(self.index, Pass.FORWARD)
             return output
         call = LayerCall.capture(hidden.device, args, kwargs)
+        if self.keep:
+            return KeptFunction.apply(self, call, params, hidden, self.anchor)
         rng = RngSnapshot.capture(hidden.device)
         return _RematFunction.apply(self, call, rng, params, hidden, self.anchor)
 
@@ -177,8 +185,9 @@ def install(
     params: Sequence[Sequence[nn.Parameter]],
     residency: Residency,
     offload: ActivationOffload | None = None,
+    keep: Collection[int] = (),
 ) -> None:
-    """Install a :class:`RematLayer` as the ``forward`` of each layer, in place.
+    """Install a :class:`RematLayer` as the ``forward`` of each layer, in place; those in ``keep`` keep their graphs.
 
     Parameter names, ``state_dict`` keys and the layer classes are unchanged; only the
     instances get a ``forward`` attribute (removed by :func:`uninstall`). Hugging Face's own
@@ -187,7 +196,7 @@ def install(
     """
     for index, (layer, layer_params) in enumerate(zip(layers, params, strict=True)):
         uninstall([layer])
-        layer.forward = RematLayer(layer, index, layer_params, residency, offload)
+        layer.forward = RematLayer(layer, index, layer_params, residency, offload, keep=index in keep)
         layer.gradient_checkpointing = False
 
 

@@ -42,13 +42,23 @@ from lightning_blockwise.residency.layout import BlockLayout
 #
 # NOTE [ Prefetch order ]
 # Blocks are needed 0..K-1 in the forward and K-1..0 in the backward. On each acquire the
-# streamer starts copies for the next ``prefetch_depth`` blocks in the pass's direction,
-# evicting the least recently used slot outside that window. With ``prefetch_depth + 1``
-# slots the blocks that end the forward are still resident when the backward starts at
-# them, and the blocks that end the backward are resident when the next forward starts:
-# no block is loaded twice in a row. An evicted block is rebound to its host slab (no
-# copy), so every module tensor always names memory that holds its value: a state_dict,
-# a checkpoint or a stray read after eviction sees the right bytes.
+# streamer starts copies for the next ``prefetch_depth`` blocks in the pass's direction.
+# With ``prefetch_depth + 1`` slots the blocks that end the forward are still resident when
+# the backward starts at them, and the blocks that end the backward are resident when the
+# next forward starts: no block is loaded twice in a row. An evicted block is rebound to
+# its host slab (no copy), so every module tensor always names memory that holds its value:
+# a state_dict, a checkpoint or a stray read after eviction sees the right bytes.
+#
+# NOTE [ Slot affinity ]
+# Each streamed block has one home slot, its position among the streamed blocks modulo the
+# number of slots, and is only ever copied there. A window of ``prefetch_depth + 1``
+# consecutive streamed blocks covers every slot once, so the block a copy evicts is never
+# one the window still needs: in a sweep this is the least recently used slot, as before.
+# What the home slot buys: a block comes back to the very addresses it had in the forward.
+# A kept layer of a streamed block (NOTE [ Kept graphs of streamed blocks ] in
+# replay/kept.py) holds, in its graph, views of its block's slot made in the forward
+# (bitsandbytes' ``MatMul4Bit`` keeps the packed weight so); once ``acquire`` has brought
+# the block back for the backward, those views read its bytes again.
 #
 # NOTE [ Stream observer ]
 # The streamer tells its ``observer`` where copies, waits and layer runs begin and end, at
@@ -135,8 +145,8 @@ class BlockStreamer(Residency):
         self._slot_views: dict[tuple[int, int], list[Tensor]] = {}
         self._slot_block: list[int | None] = [None] * num_slots
         self._block_slot: dict[int, int] = {}
-        self._last_use = [0] * num_slots
-        self._clock = 0
+        # NOTE [ Slot affinity ].
+        self._home = {block: index % num_slots for index, block in enumerate(self.streamed)} if num_slots else {}
         self._cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._copied: list[torch.cuda.Event | None] = [None] * num_slots
@@ -161,8 +171,6 @@ class BlockStreamer(Residency):
         if block not in self._block_slot:
             self._fetch(block, window)
         slot = self._block_slot[block]
-        self._clock += 1
-        self._last_use[slot] = self._clock
         if self._cuda and self._copied[slot] is not None:
             self.observer.wait_started(block)
             torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
@@ -189,15 +197,15 @@ class BlockStreamer(Residency):
             self._freed[slot] = freed
 
     def _fetch(self, block: int, window: Sequence[int]) -> None:
-        """Copy ``block`` into a free slot, or the least recently used one outside ``window``."""
-        free = [s for s, held in enumerate(self._slot_block) if held is None]
-        if free:
-            slot = free[0]
-        else:
-            candidates = [s for s, held in enumerate(self._slot_block) if held not in window]
-            slot = min(candidates, key=lambda s: self._last_use[s])
-            evicted = self._slot_block[slot]
-            assert evicted is not None
+        """Copy ``block`` into its home slot (NOTE [ Slot affinity ]), evicting the block there."""
+        slot = self._home[block]
+        evicted = self._slot_block[slot]
+        if evicted is not None:
+            if evicted in window:
+                raise RuntimeError(
+                    f"BlockStreamer: block {block} would evict block {evicted}, which the prefetch window"
+                    f" {list(window)} still needs; the home slots do not fit this window."
+                )
             self._bind(evicted, self._host_views[evicted])
             del self._block_slot[evicted]
         layout = self.layouts[block]

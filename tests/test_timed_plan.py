@@ -1,0 +1,229 @@
+"""A timed plan (NOTE [ Spending the budget on time ]) and kept graphs of streamed blocks (NOTE [ Kept graphs of
+streamed blocks ]): exact against resident training, with dropout, whichever way the timed step tips the plan.
+
+The timed step's times are replaced by fixed ones where a test needs the plan to tip one way (the CPU's own times
+tip it as they happen to fall); one test runs on the times the CPU measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from transformers import AutoModelForCausalLM
+
+import lightning_blockwise  # noqa: F401
+from lightning_blockwise import BlockwiseStrategy, step_planner
+from lightning_blockwise.planning import ResidencyPlan
+from lightning_blockwise.planning.speed import StepTimes
+from lightning_blockwise.residency.base import Pass
+from lightning_blockwise.residency.streamer import BlockStreamer
+from lightning_blockwise.step_budget import StepBudget
+from tests.helpers.models import CONFIGS, SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+
+NUM_LAYERS = 8
+TOKENS = 2 * SEQ
+#: Copies hide under compute: graphs first, streamed blocks' too.
+COMPUTE_BOUND = StepTimes(1e-3, 2.5e-3, 1.5e-3, link_bytes_per_s=1e15, tokens=TOKENS)
+#: Copies take far longer than compute: residency first.
+LINK_BOUND = StepTimes(1e-3, 2.5e-3, 1.5e-3, link_bytes_per_s=1e3, tokens=TOKENS)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama8_timed")
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = NUM_LAYERS
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def _module(checkpoint: Path) -> CausalLMModule:
+    return CausalLMModule(lambda: build_model("llama", checkpoint=checkpoint, quantized=True))
+
+
+@pytest.fixture(scope="module")
+def step_budget(checkpoint: Path) -> StepBudget:
+    probe = BlockwiseStrategy(budget_tokens=TOKENS)
+    fit(_module(checkpoint), probe, max_steps=1)
+    assert probe._planner is not None
+    return dataclasses.replace(probe._planner.budget, keep_activations=True)
+
+
+def _find_budget(step_budget: StepBudget, wanted: Callable[[ResidencyPlan, ResidencyPlan], bool]) -> int:
+    """The smallest budget whose first plan and compute-bound timed plan are as ``wanted``."""
+    minimum = step_budget.plan(TOKENS).residency.minimum
+    for candidate in range(minimum, minimum + 2**21, 2**12):
+        first = dataclasses.replace(step_budget, budget=candidate).plan(TOKENS).residency
+        timed = dataclasses.replace(step_budget, budget=candidate, times=COMPUTE_BOUND).plan(TOKENS).residency
+        if wanted(first, timed):
+            return candidate
+    raise AssertionError("no budget gives the plans wanted")
+
+
+@pytest.fixture(scope="module")
+def budget(step_budget: StepBudget) -> int:
+    """A budget whose compute-bound timed plan has every kind of block: resident and kept, streamed and kept
+    (at least 2), streamed and recomputed. (This model's graphs are 7x its blocks, so its first plan makes
+    every block resident and keeps the first graphs.)
+    """
+
+    def wanted(first: ResidencyPlan, timed: ResidencyPlan) -> bool:
+        streamed_kept = set(timed.kept) - set(timed.resident)
+        return len(timed.resident) >= 2 and len(streamed_kept) >= 2 and len(timed.kept) < NUM_LAYERS
+
+    return _find_budget(step_budget, wanted)
+
+
+@pytest.fixture(scope="module")
+def streaming_budget(step_budget: StepBudget) -> int:
+    """A budget whose first plan streams some blocks, keeps graphs and makes more blocks resident than it keeps."""
+    return _find_budget(step_budget, lambda first, _: 0 < len(first.kept) < len(first.resident) < NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint: Path) -> Any:
+    return fit(_module(checkpoint), "auto")
+
+
+class _Plans(Callback):
+    """The plan in force at each micro-batch's start, and each layer's attention forwards."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.counts = [0] * NUM_LAYERS
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for index, layer in enumerate(pl_module.model.get_decoder().layers):
+            layer.self_attn.register_forward_hook(lambda *args, index=index: self._count(index))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        plan = trainer.strategy.step_plan
+        self.plans.append((plan.residency.resident, plan.residency.kept))
+
+    def _count(self, index: int) -> None:
+        self.counts[index] += 1
+
+
+def _timed_as(monkeypatch: pytest.MonkeyPatch, times: StepTimes) -> None:
+    monkeypatch.setattr(step_planner, "step_times", lambda *args, **kwargs: times)
+
+
+def test_streamed_blocks_keep_their_graphs_exactly(
+    checkpoint: Path, budget: int, resident: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _timed_as(monkeypatch, COMPUTE_BOUND)
+    plans = _Plans()
+    blockwise = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), callbacks=[plans])
+    assert_equal_runs(resident, blockwise)
+    first, timed = plans.plans[0], plans.plans[-1]
+    # Micro-batches 0 and 1 ran the first plan; from micro-batch 2 on, the timed one.
+    assert plans.plans[:2] == [first] * 2 and plans.plans[2:] == [timed] * 6
+    streamed_kept = set(timed[1]) - set(timed[0])
+    assert len(timed[1]) > len(first[1]) and streamed_kept
+    # A kept layer runs once per micro-batch; a recomputed one twice.
+    for layer in range(NUM_LAYERS):
+        expected = [1 if layer in plan[1] else 2 for plan in plans.plans]
+        assert plans.counts[layer] == sum(expected), f"layer {layer}"
+
+
+def _backward_blocks_come_back_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break slot affinity: two spare slots, and the backward copies each block into one outside its home.
+
+    (With ``prefetch_depth + 1`` slots the slot a copy may use is forced: the spare ones make another possible.)
+    """
+    original_init, original_acquire = BlockStreamer.__init__, BlockStreamer.acquire
+    original_fetch = BlockStreamer._fetch
+
+    def init(self: BlockStreamer, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if self.slots:
+            self.slots += [torch.empty_like(self.slots[0]) for _ in range(2)]
+            self._slot_block += [None, None]
+            self._copied += [None, None]
+            self._freed += [None, None]
+
+    def acquire(self: BlockStreamer, layer: int, phase: Pass) -> None:
+        self._phase = phase
+        original_acquire(self, layer, phase)
+
+    def fetch(self: BlockStreamer, block: int, window: Any) -> None:
+        home = self._home[block]
+        if getattr(self, "_phase", None) is Pass.BACKWARD:
+            self._home[block] = next(s for s, held in enumerate(self._slot_block) if s != home and held not in window)
+        try:
+            original_fetch(self, block, window)
+        finally:
+            self._home[block] = home
+
+    monkeypatch.setattr(BlockStreamer, "__init__", init)
+    monkeypatch.setattr(BlockStreamer, "acquire", acquire)
+    monkeypatch.setattr(BlockStreamer, "_fetch", fetch)
+
+
+def test_control_a_kept_graph_whose_block_comes_back_elsewhere_differs(
+    checkpoint: Path, budget: int, resident: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control: the backward brings streamed blocks into another slot than the forward's; kept graphs read stale bytes.
+
+    The same displacement with graphs kept on resident blocks only (`timed_plan=False`) stays exact: the recompute reads
+    the block where it is now, so what the control breaks is the affinity kept graphs of streamed blocks need.
+    """
+    _timed_as(monkeypatch, COMPUTE_BOUND)
+    _backward_blocks_come_back_elsewhere(monkeypatch)
+    broken = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS))
+    assert runs_differ(resident, broken)
+    untimed = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=False))
+    assert_equal_runs(resident, untimed)
+
+
+def test_a_link_bound_step_spends_on_residency(
+    checkpoint: Path, budget: int, streaming_budget: int, resident: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Link-bound, graphs stay with resident blocks, and the budget buys residency before graphs."""
+    _timed_as(monkeypatch, LINK_BOUND)
+    for vram_budget, more_resident in ((budget, False), (streaming_budget, True)):
+        plans = _Plans()
+        strategy = BlockwiseStrategy(vram_budget=vram_budget, budget_tokens=TOKENS)
+        blockwise = fit(_module(checkpoint), strategy, callbacks=[plans])
+        assert_equal_runs(resident, blockwise)
+        first, timed = plans.plans[0], plans.plans[-1]
+        assert strategy._planner is not None and strategy._planner.budget.times == LINK_BOUND
+        # Kept graphs only where the block is resident. Where the first plan streams blocks and keeps a graph
+        # (7x a block here), the timed one gives the graph up for residency: every block resident.
+        assert set(timed[1]) <= set(timed[0])
+        assert len(timed[0]) > len(first[0]) if more_resident else timed == first
+
+
+def test_the_cpu_times_its_step_and_stays_exact(checkpoint: Path, budget: int, resident: Any) -> None:
+    """No times replaced: the CPU's own (host clock) times choose the plan, whatever they choose is exact."""
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
+    blockwise = fit(_module(checkpoint), strategy)
+    assert_equal_runs(resident, blockwise)
+    assert strategy._planner is not None
+    times = strategy._planner.budget.times
+    assert times is not None and times.tokens == TOKENS
+    assert min(times.forward_s, times.recomputed_backward_s, times.kept_backward_s, times.link_bytes_per_s) > 0
+
+
+@pytest.mark.parametrize(
+    "options", [dict(timed_plan=False), dict(keep_activations=False), dict(vram_budget=None)], ids=str
+)
+def test_no_timing_where_it_cannot_change_the_plan(checkpoint: Path, budget: int, options: dict[str, Any]) -> None:
+    kwargs = dict(vram_budget=budget, budget_tokens=TOKENS) | options
+    strategy = BlockwiseStrategy(**kwargs)
+    fit(_module(checkpoint), strategy, max_steps=2)
+    assert strategy._planner is not None and strategy._planner.budget.times is None
+
+
+def test_timed_plan_must_be_a_bool() -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=r"timed_plan='yes'\)` must be True or False"):
+        BlockwiseStrategy(timed_plan="yes")
