@@ -19,8 +19,10 @@ time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step 
 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
-rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep]]`
-(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`).
+rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep|:fixed]]`
+(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`, `fixed` sets
+`timed_plan=False`: the first plan stays, graphs kept on resident blocks only). The budget's plan is timed at
+the second step and made again before the third (NOTE [ Spending the budget on time ]): keep `--warmup` >= 3.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def run_arm(
         _, block_size, prefetch_depth, *budget = arm.split(":")
         strategy = BlockwiseStrategy(
             block_size=int(block_size), prefetch_depth=int(prefetch_depth), vram_budget=budget[0] if budget else None,
-            budget_tokens=seq, keep_activations="nokeep" not in budget,
+            budget_tokens=seq, keep_activations="nokeep" not in budget, timed_plan="fixed" not in budget,
         )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps,
@@ -209,7 +211,11 @@ def run_arm(
         "h2d_gb_per_step": h2d, "h2d_gb_per_s": h2d / (median * accumulate),
     }  # fmt: skip
     if isinstance(strategy, BlockwiseStrategy) and strategy.residency_plan is not None:
-        row.update(resident_blocks=len(strategy.residency_plan.resident), kept_blocks=len(strategy.residency_plan.kept))
+        plan = strategy.residency_plan
+        row.update(
+            resident_blocks=len(plan.resident), kept_blocks=len(plan.kept),
+            streamed_kept_blocks=len(set(plan.kept) - set(plan.resident)),
+        )  # fmt: skip
     return row
 
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_blockwise.profiling.trace import Trace
+from lightning_blockwise.residency.stream_trace import Tee, Trace
 from lightning_blockwise.step_budget import StepBudget, StepPlan, batch_tokens
-from lightning_blockwise.step_timing import Tee, link_rate, step_times
+from lightning_blockwise.step_timing import link_rate, step_times
 from lightning_blockwise.streamed_stack import StreamedStack
 
 #: The training step (counted from 0) timed for the plan: the first one also pays for warming up

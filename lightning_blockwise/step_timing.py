@@ -8,52 +8,13 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from typing_extensions import override
 
 from lightning_blockwise.planning.speed import StepTimes
-from lightning_blockwise.profiling.trace import Trace, elapsed_ms
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.residency.stream_trace import Trace, elapsed_ms
 
 #: Bytes of the host arena copied to time the link when the timed step copied nothing (every block resident).
 PROBE_BYTES = 64 * 2**20
-
-
-class Tee(StreamObserver):
-    """Hands every event of the streamer to two observers: the run's own, and a timing trace."""
-
-    def __init__(self, first: StreamObserver, second: StreamObserver) -> None:
-        self.observers = (first, second)
-
-    @override
-    def copy_started(self, block: int) -> None:
-        for observer in self.observers:
-            observer.copy_started(block)
-
-    @override
-    def copy_finished(self, block: int, nbytes: int) -> None:
-        for observer in self.observers:
-            observer.copy_finished(block, nbytes)
-
-    @override
-    def wait_started(self, block: int) -> None:
-        for observer in self.observers:
-            observer.wait_started(block)
-
-    @override
-    def wait_finished(self, block: int) -> None:
-        for observer in self.observers:
-            observer.wait_finished(block)
-
-    @override
-    def layer_started(self, layer: int, phase: Pass) -> None:
-        for observer in self.observers:
-            observer.layer_started(layer, phase)
-
-    @override
-    def layer_finished(self, layer: int, phase: Pass) -> None:
-        for observer in self.observers:
-            observer.layer_finished(layer, phase)
 
 
 def step_times(trace: Trace, kept: frozenset[int], tokens: int, probe: Callable[[], float]) -> StepTimes | None:
@@ -102,4 +63,4 @@ def link_rate(host: Tensor, device: torch.device) -> float:
     return source.numel() / max(seconds, 1e-9)
 
 
-__all__ = ["PROBE_BYTES", "Tee", "link_rate", "step_times"]
+__all__ = ["PROBE_BYTES", "link_rate", "step_times"]

@@ -26,9 +26,10 @@ LAYERS: list[set[str]] = [
     {"replay"},
     # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
     {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
-    # What the strategy delegates to: its step plan over the run, its checkpoints, where the module goes, DDP,
-    # block-major windows, and what callbacks ask it.
-    {"step_planner", "checkpoint_hooks", "module_placement", "data_parallel", "accumulation", "strategy_queries"},
+    # What the strategy delegates to: its step plan over the run and the step it times, its checkpoints, where
+    # the module goes, DDP, block-major windows, and what callbacks ask it.
+    {"step_planner", "step_timing", "checkpoint_hooks", "module_placement", "data_parallel", "accumulation",
+     "strategy_queries"},  # fmt: skip
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},

@@ -155,8 +155,13 @@ def _backward_blocks_come_back_elsewhere(monkeypatch: pytest.MonkeyPatch) -> Non
 
     def fetch(self: BlockStreamer, block: int, window: Any) -> None:
         home = self._home[block]
-        if getattr(self, "_phase", None) is Pass.BACKWARD:
-            self._home[block] = next(s for s, held in enumerate(self._slot_block) if s != home and held not in window)
+        # In the backward any slot but the home one; in the forward the home one unless a displaced block in the
+        # window holds it (the spare slots leave one free of the window either way).
+        backward = getattr(self, "_phase", None) is Pass.BACKWARD
+        if backward or self._slot_block[home] in window:
+            self._home[block] = next(
+                s for s, held in enumerate(self._slot_block) if held not in window and not (backward and s == home)
+            )
         try:
             original_fetch(self, block, window)
         finally:

@@ -250,10 +250,12 @@ def fit_on_gpu(
     accumulate: int,
     seq: int,
     deterministic: bool = True,
+    **trainer_kwargs: Any,
 ) -> RunResult:
     """The GPU tests' run: ``steps`` optimizer steps of ``accumulate`` micro-batches of one ``seq``-token sequence.
 
     bf16-mixed, learning rate 1e-4, vocabulary 32000; the module is dropped and the cache emptied after.
+    ``trainer_kwargs`` go to the Trainer (callbacks, ...).
     """
     module = CausalLMModule(build, lr=1e-4)
     batches = padded_batches(steps * accumulate, batch_size=1, seq=seq, vocab=32000)
@@ -266,6 +268,7 @@ def fit_on_gpu(
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         deterministic=deterministic,
+        **trainer_kwargs,
     )
     del module
     torch.cuda.empty_cache()
