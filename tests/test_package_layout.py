@@ -28,8 +28,15 @@ LAYERS: list[set[str]] = [
     {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
     # What the strategy delegates to: its step plan over the run and the step it times, its checkpoints, where
     # the module goes, DDP, block-major windows, and what callbacks ask it.
-    {"step_planner", "step_timing", "checkpoint_hooks", "module_placement", "data_parallel", "accumulation",
-     "strategy_queries"},  # fmt: skip
+    {
+        "step_planner",
+        "step_timing",
+        "checkpoint_hooks",
+        "module_placement",
+        "data_parallel",
+        "accumulation",
+        "strategy_queries",
+    },
     {"strategy", "options"},
     {"verification", "profiling"},
     {"callbacks"},
