@@ -19,10 +19,11 @@ time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step 
 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
-rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep|:fixed]]`
-(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`, `fixed` sets
-`timed_plan=False`: the first plan stays, graphs kept on resident blocks only). The budget's plan is timed at
-the second step and made again before the third (NOTE [ Spending the budget on time ]): keep `--warmup` >= 3.
+rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep|:timed]]`
+(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`, `timed` sets
+`timed_plan=True`: the budget's plan is timed at the second step and made again before the third, NOTE [ Spending
+the budget on time ]; keep `--warmup` >= 3 then). Without `timed` the first plan stays (graphs kept on resident
+blocks only). Arms named `...:fixed` in results recorded while `timed_plan` was on by default are the untimed plan.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class StepTimer(pl.Callback):
         torch.cuda.synchronize()
         if idx == self.warmup:
             torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()
         streamer = getattr(trainer.strategy, "streamer", None)
         if streamer is not None:
             streamer.reset_stats()
@@ -182,7 +184,7 @@ def run_arm(
         _, block_size, prefetch_depth, *budget = arm.split(":")
         strategy = BlockwiseStrategy(
             block_size=int(block_size), prefetch_depth=int(prefetch_depth), vram_budget=budget[0] if budget else None,
-            budget_tokens=seq, keep_activations="nokeep" not in budget, timed_plan="fixed" not in budget,
+            budget_tokens=seq, keep_activations="nokeep" not in budget, timed_plan="timed" in budget,
         )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps,
@@ -200,6 +202,9 @@ def run_arm(
               " predicted peak"
               f" {plan.predicted_peak / 1e9:.2f} GB", flush=True)  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 1e9
+    # The allocator's frees-and-retries at its cap (a budget's cap): each one releases cached memory and maps again.
+    stats = torch.cuda.memory_stats()
+    reserved, retries = torch.cuda.max_memory_reserved() / 1e9, stats.get("num_alloc_retries", 0)
     if arm == "resident_ckpt":
         model.gradient_checkpointing_disable()
     torch.cuda.empty_cache()
@@ -209,6 +214,7 @@ def run_arm(
     row = {
         "s_per_step": median, "peak_gb": peak, "tokens_per_s": seq / median,
         "h2d_gb_per_step": h2d, "h2d_gb_per_s": h2d / (median * accumulate),
+        "peak_reserved_gb": reserved, "alloc_retries": retries,
     }  # fmt: skip
     if isinstance(strategy, BlockwiseStrategy) and strategy.residency_plan is not None:
         plan = strategy.residency_plan

@@ -78,8 +78,9 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             the step waits on the host link (NOTE [ Kept activations ] in planning/memory.py).
         timed_plan: With a ``vram_budget`` and ``keep_activations``, time the second training step (a layer's forward
             and backward, the copies) and plan again from it: streamed blocks may then keep their graphs too, and the
-            budget goes where it saves the most time on this machine (NOTE [ Spending the budget on time ] in
-            planning/speed.py). ``False`` keeps the first plan.
+            budget goes where the measured step predicts it saves the most time (NOTE [ Spending the budget on time ]
+            in planning/speed.py). Off by default: on the H100 measured, its plans were no faster than the first plan's
+            within the host's run-to-run spread (benchmarks/RESULTS.md); exact either way.
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
@@ -127,7 +128,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         budget_tokens: int | None = None,
         offload_activations: bool | None = None,
         keep_activations: bool = True,
-        timed_plan: bool = True,
+        timed_plan: bool = False,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
         share_host_copy: bool | None = None,

@@ -120,7 +120,8 @@ def test_streamed_blocks_keep_their_graphs_exactly(
 ) -> None:
     _timed_as(monkeypatch, COMPUTE_BOUND)
     plans = _Plans()
-    blockwise = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), callbacks=[plans])
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
+    blockwise = fit(_module(checkpoint), strategy, callbacks=[plans])
     assert_equal_runs(resident, blockwise)
     first, timed = plans.plans[0], plans.plans[-1]
     # Micro-batches 0 and 1 ran the first plan; from micro-batch 2 on, the timed one.
@@ -182,7 +183,7 @@ def test_control_a_kept_graph_whose_block_comes_back_elsewhere_differs(
     """
     _timed_as(monkeypatch, COMPUTE_BOUND)
     _backward_blocks_come_back_elsewhere(monkeypatch)
-    broken = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS))
+    broken = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True))
     assert runs_differ(resident, broken)
     untimed = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=False))
     assert_equal_runs(resident, untimed)
@@ -195,7 +196,7 @@ def test_a_link_bound_step_spends_on_residency(
     _timed_as(monkeypatch, LINK_BOUND)
     for vram_budget, more_resident in ((budget, False), (streaming_budget, True)):
         plans = _Plans()
-        strategy = BlockwiseStrategy(vram_budget=vram_budget, budget_tokens=TOKENS)
+        strategy = BlockwiseStrategy(vram_budget=vram_budget, budget_tokens=TOKENS, timed_plan=True)
         blockwise = fit(_module(checkpoint), strategy, callbacks=[plans])
         assert_equal_runs(resident, blockwise)
         first, timed = plans.plans[0], plans.plans[-1]
@@ -208,7 +209,7 @@ def test_a_link_bound_step_spends_on_residency(
 
 def test_the_cpu_times_its_step_and_stays_exact(checkpoint: Path, budget: int, resident: Any) -> None:
     """No times replaced: the CPU's own (host clock) times choose the plan, whatever they choose is exact."""
-    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
     blockwise = fit(_module(checkpoint), strategy)
     assert_equal_runs(resident, blockwise)
     assert strategy._planner is not None
@@ -218,7 +219,9 @@ def test_the_cpu_times_its_step_and_stays_exact(checkpoint: Path, budget: int, r
 
 
 @pytest.mark.parametrize(
-    "options", [dict(timed_plan=False), dict(keep_activations=False), dict(vram_budget=None)], ids=str
+    "options",
+    [dict(), dict(keep_activations=False, timed_plan=True), dict(vram_budget=None, timed_plan=True)],
+    ids=["default", "no keep", "no budget"],
 )
 def test_no_timing_where_it_cannot_change_the_plan(checkpoint: Path, budget: int, options: dict[str, Any]) -> None:
     kwargs = dict(vram_budget=budget, budget_tokens=TOKENS) | options

@@ -87,7 +87,7 @@ def test_streamed_kept_graphs_equal_resident(
     qwen2_checkpoint: Path, budget: int, resident: RunResult, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(step_planner, "step_times", lambda *args, **kwargs: COMPUTE_BOUND)
-    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ)
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ, timed_plan=True)
     peak = _StepPeak()
     blockwise = _fit(qwen2_checkpoint, strategy, callbacks=[peak])
     plan = strategy.residency_plan
@@ -105,7 +105,7 @@ def test_control_blocks_back_in_another_slot_differ(
 ) -> None:
     monkeypatch.setattr(step_planner, "step_times", lambda *args, **kwargs: COMPUTE_BOUND)
     _backward_blocks_come_back_elsewhere(monkeypatch)
-    broken = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ))
+    broken = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ, timed_plan=True))
     assert runs_differ(resident, broken)
 
 
@@ -121,13 +121,13 @@ def test_streamed_kept_graphs_wait_for_delayed_compute(
         return original(self, hidden, call)
 
     monkeypatch.setattr(remat.RematLayer, "run", slow_run)
-    delayed = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ))
+    delayed = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ, timed_plan=True))
     assert_equal_runs(resident, delayed)
 
 
 def test_measured_times_plan_equals_resident(qwen2_checkpoint: Path, budget: int, resident: RunResult) -> None:
     """The times this GPU measures choose the plan; whichever it is, the run is exact."""
-    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ)
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ, timed_plan=True)
     blockwise = _fit(qwen2_checkpoint, strategy)
     assert strategy._planner is not None and strategy._planner.budget.times is not None
     plan = strategy.residency_plan
