@@ -51,3 +51,14 @@ def small_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' tiny Llama (``CONFIGS["llama"]``) with eight layers, saved: room for every kind of block."""
+    path = tmp_path_factory.mktemp("llama8")
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path

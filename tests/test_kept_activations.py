@@ -16,13 +16,11 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.step_budget import StepPlan
 from tests.helpers.models import (
-    CONFIGS,
     SEQ,
     CausalLMModule,
     assert_equal_runs,
@@ -39,14 +37,8 @@ TOKENS = 2 * SEQ
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tests' tiny Llama with eight layers, saved."""
-    path = tmp_path_factory.mktemp("llama8")
-    torch.manual_seed(0)
-    config = CONFIGS["llama"]()
-    config.num_hidden_layers = NUM_LAYERS
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
+def checkpoint(tiny_llama8_checkpoint: Path) -> Path:
+    return tiny_llama8_checkpoint
 
 
 def _nf4(checkpoint: Path) -> Any:

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, step_planner
@@ -24,7 +23,7 @@ from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.residency.base import Pass
 from lightning_blockwise.residency.streamer import BlockStreamer
 from lightning_blockwise.step_budget import StepBudget
-from tests.helpers.models import CONFIGS, SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
 NUM_LAYERS = 8
 TOKENS = 2 * SEQ
@@ -35,13 +34,8 @@ LINK_BOUND = StepTimes(1e-3, 2.5e-3, 1.5e-3, link_bytes_per_s=1e3, tokens=TOKENS
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama8_timed")
-    torch.manual_seed(0)
-    config = CONFIGS["llama"]()
-    config.num_hidden_layers = NUM_LAYERS
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
+def checkpoint(tiny_llama8_checkpoint: Path) -> Path:
+    return tiny_llama8_checkpoint
 
 
 def _module(checkpoint: Path) -> CausalLMModule:
