@@ -240,8 +240,9 @@ class StepBudget:
         )
         if self.window > 1:
             kept_text += f"block-major accumulation over {self.window} micro-batches (nothing kept or offloaded), "
+        resident = f"{len(plan.residency.resident)} of {len(self.block_bytes)} blocks resident, "
         return (
-            f"{kept_text}predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
+            f"{resident}{kept_text}predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
             f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"
             f" tokens per micro-batch{offload}"
         )

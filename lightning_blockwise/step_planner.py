@@ -55,6 +55,7 @@ class StepPlanner:
         self._timed_step = TIMED_STEP
         self._trace: Trace | None = None
         self._trace_tokens = 0
+        self._paused = 0
 
     def first_plan(self, tokens: int) -> StepPlan:
         """The plan for micro-batches of up to ``tokens`` tokens, made the run's.
@@ -71,12 +72,23 @@ class StepPlanner:
         self._layers = layers
         layers.offload_inputs(self.plan.shape.input_bytes() if self.plan.offload else None)
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Steps run inside are not the run's (``ParityCheck``'s arms): not counted, timed or planned for."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def before_step(self, batch: Any) -> list[str]:
         """Before a training step: plan again from a step just timed, or for a longer ``batch``; lines for the log.
 
         Raises:
             MisconfigurationException: If the longer batch does not fit the budget.
         """
+        if self._paused:
+            return []
         lines = [line for line in (self._end_timing(), self.see_batch(batch)) if line is not None]
         if self.timed and self._steps == self._timed_step and self._layers is not None and self.plan is not None:
             if self.budget.timing_helps(self.plan):
@@ -98,21 +110,30 @@ class StepPlanner:
         tokens = batch_tokens(batch)
         if tokens is None or self.plan is None or tokens <= self.plan.tokens:
             return None
-        if self.budget.times is not None:
-            self.budget = dataclasses.replace(self.budget, times=None)
-            self._timed_step = self._steps + 1
+        # Times of fewer tokens do not hold for these: plan untimed, and time the next step (the plan may stream now).
+        self.budget = dataclasses.replace(self.budget, times=None)
+        self._timed_step = self._steps + 1
         self._adopt(self._plan_for(tokens))
         return f"longer batch: {self.describe()}"
+
+    def after_backward(self) -> None:
+        """A backward has been issued: the timed step's trace ends here, before validation or anything else runs."""
+        if not self._paused:
+            self._stop_trace()
+
+    def _stop_trace(self) -> None:
+        if self._trace is not None and self._trace.active and self._layers is not None:
+            self._trace.stop()
+            observer = self._layers.observer
+            self._layers.set_observer(observer.observers[0] if isinstance(observer, Tee) else observer)
 
     def _end_timing(self) -> str | None:
         """Read the step timed last and plan by its times (NOTE [ Spending the budget on time ]); a line for the log."""
         trace, layers, old = self._trace, self._layers, self.plan
         if trace is None or layers is None or old is None:
             return None
+        self._stop_trace()
         self._trace = None
-        trace.stop()
-        observer = layers.observer
-        layers.set_observer(observer.observers[0] if isinstance(observer, Tee) else observer)
         if layers.device.type == "cuda":
             torch.cuda.synchronize(layers.device)
         times = step_times(

@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_blockwise.accumulation import (
@@ -76,10 +77,11 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
             keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
             the step waits on the host link (NOTE [ Kept activations ] in planning/memory.py).
-        timed_plan: With a ``vram_budget`` and ``keep_activations``, time the second training step (a layer's forward
-            and backward, the copies) and plan again from it: streamed blocks may then keep their graphs too, and the
-            budget goes where the measured step predicts it saves the most time (NOTE [ Spending the budget on time ]
-            in planning/speed.py). Off by default: on the H100 measured, its plans were no faster than the first plan's
+        timed_plan: With a ``vram_budget`` and ``keep_activations``, time the second micro-batch's forward and
+            backward (a layer's forward and backward, the copies) and plan again from them before the next one:
+            streamed blocks may then keep their graphs too, and the budget goes where the measured step predicts it
+            saves the most time (NOTE [ Spending the budget on time ] in planning/speed.py). Each process times and
+            plans for itself. Off by default: on the H100 measured, its plans were no faster than the first plan's
             within the host's run-to-run spread (benchmarks/RESULTS.md); exact either way.
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
@@ -290,6 +292,13 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             replanned = self._planner.see_batch(batch)
             if replanned is not None:
                 rank_zero_info(f"BlockwiseStrategy: {replanned}.")
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._planner is not None:
+            # NOTE [ Spending the budget on time ]: a timed step's trace covers its forward and backward only.
+            self._planner.after_backward()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -7,7 +7,7 @@ A read-only surface (and two context managers) over the strategy's set-up state,
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -130,8 +130,8 @@ class BlockwiseQueries:
                 loss.backward()
         """
         assert self._layers is not None
-        # NOTE [ Resident prefix ] in streamed_stack.py.
-        with self._layers.resident_prefix(num_blocks):
+        # NOTE [ Resident prefix ] in streamed_stack.py. Steps run inside are not the run's: the planner sits out.
+        with self._layers.resident_prefix(num_blocks), self._planner_paused():
             yield
 
     @contextmanager
@@ -141,8 +141,11 @@ class BlockwiseQueries:
         What ``ParityCheck``'s blockwise arm runs (NOTE [ Kept activations ] in planning/memory.py).
         """
         assert self._layers is not None
-        with self._layers.all_rematerialized():
+        with self._layers.all_rematerialized(), self._planner_paused():
             yield
+
+    def _planner_paused(self) -> AbstractContextManager[None]:
+        return self._planner.paused() if self._planner is not None else nullcontext()
 
 
 __all__ = ["BlockwiseQueries"]

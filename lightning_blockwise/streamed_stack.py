@@ -80,7 +80,10 @@ class StreamedStack:
             self.streamer.observer = self._observer
 
     def install(self) -> None:
-        """Install the rematerializing forward, reading blocks through the streamer, on every layer not kept."""
+        """Install the rematerializing forward on every layer but those of resident kept blocks (plain autograd).
+
+        Layers of streamed kept blocks get it too, keeping their graphs (NOTE [ Kept graphs of streamed blocks ]).
+        """
         assert self.streamer is not None
         streamed_kept = {i for block in self.kept if block not in self.resident for i in self.plan.layers_of(block)}
         remat.install(self.layers, self._layer_params(), self.streamer, self.offload, keep=streamed_kept)
@@ -180,7 +183,7 @@ class StreamedStack:
             self.restream()
 
     def describe(self, model_type: str) -> str:
-        """One line for the log: the layers and their blocks, the streamer's slots, the host arena, resident blocks.
+        """One line for the log: the layers and their blocks, the streamer's slots, the host arena (the plan: the rest).
 
         Args:
             model_type: The Hugging Face ``config.model_type`` the layers are of.
@@ -191,7 +194,7 @@ class StreamedStack:
             f"{len(self.layers)} {model_type} decoder layers in {self.plan.num_blocks} blocks of up to"
             f" {self.plan.block_size}, {len(self.streamer.streamed)} streamed through {len(self.streamer.slots)} slots"
             f" on {self.device}; host arena {arena.nbytes / 1e9:.3f} GB ({arena.bytes_needed / 1e9:.3f} GB of"
-            f" tensors){', pinned' if arena.pinned else ''}; {len(self.streamer.resident)} blocks kept resident"
+            f" tensors){', pinned' if arena.pinned else ''}"
         )
 
     def close(self) -> None:

@@ -7,7 +7,10 @@ tip it as they happen to fall); one test runs on the times the CPU measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,17 @@ from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.residency.base import Pass
 from lightning_blockwise.residency.streamer import BlockStreamer
 from lightning_blockwise.step_budget import StepBudget
-from tests.helpers.models import SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import (
+    SEQ,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    fit,
+    loader,
+    padded_batches,
+    runs_differ,
+    trainer,
+)
 
 NUM_LAYERS = 8
 TOKENS = 2 * SEQ
@@ -229,3 +242,111 @@ def test_timed_plan_must_be_a_bool() -> None:
 
     with pytest.raises(MisconfigurationException, match=r"timed_plan='yes'\)` must be True or False"):
         BlockwiseStrategy(timed_plan="yes")
+
+
+def test_parity_check_steps_are_not_the_runs(
+    checkpoint: Path, budget: int, resident: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ParityCheck's arms run `training_step` too: the planner neither counts, times nor re-plans them.
+
+    Control: without the pause the check's second arm would be the timed step (the timed plan from micro-batch 0).
+    """
+    from lightning_blockwise import ParityCheck
+
+    _timed_as(monkeypatch, COMPUTE_BOUND)
+    plans = _Plans()
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
+    blockwise = fit(_module(checkpoint), strategy, callbacks=[ParityCheck(), plans])
+    assert_equal_runs(resident, blockwise)
+    assert strategy._planner is not None and strategy._planner._steps == len(plans.plans) == 8
+    assert plans.plans[0] == plans.plans[1] != plans.plans[2] == plans.plans[-1]
+    with monkeypatch.context() as unpaused:
+        unpaused.setattr(step_planner.StepPlanner, "paused", lambda self: contextlib.nullcontext())
+        plans = _Plans()
+        fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True),
+            callbacks=[ParityCheck(), plans], max_steps=1)  # fmt: skip
+        assert plans.plans[0] == plans.plans[-1] != first_plan(budget, checkpoint)
+
+
+def first_plan(budget: int, checkpoint: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The untimed plan of ``budget`` (the one micro-batches 0 and 1 run)."""
+    plans = _Plans()
+    fit(
+        _module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), callbacks=[plans], max_steps=1
+    )
+    return plans.plans[0]
+
+
+def test_the_timed_trace_ends_with_the_backward(checkpoint: Path, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation right after the timed micro-batch stays out of its trace: every observed layer ran once each way.
+
+    Control: a trace left on until the next training step records the validation forwards too.
+    """
+    traces: list[Any] = []
+
+    def record(trace: Any, *args: Any, **kwargs: Any) -> StepTimes:
+        traces.append(trace)
+        return COMPUTE_BOUND
+
+    monkeypatch.setattr(step_planner, "step_times", record)
+    batches = padded_batches(8)
+    val = {"val_check_interval": 2, "limit_val_batches": 2}
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
+    trainer(strategy, **val).fit(_module(checkpoint), loader(batches), loader(batches[:2]))
+    phases = [phase for _, phase, _, _ in traces[0].layers]
+    assert phases.count(Pass.FORWARD) == phases.count(Pass.BACKWARD) > 0
+    monkeypatch.setattr(step_planner.StepPlanner, "after_backward", lambda self: None)
+    traces.clear()
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
+    trainer(strategy, **val).fit(_module(checkpoint), loader(batches), loader(batches[:2]))
+    phases = [phase for _, phase, _, _ in traces[0].layers]
+    assert phases.count(Pass.FORWARD) > phases.count(Pass.BACKWARD)
+
+
+class _TwoBackwards(CausalLMModule):
+    """Manual optimization, two objectives through one forward (`retain_graph=True` on the first)."""
+
+    def __init__(self, build: Any) -> None:
+        super().__init__(build)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.model(**batch).loss
+        self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(0.5 * loss)
+        optimizer.step()
+
+
+def test_a_second_backward_through_a_kept_streamed_layer_is_refused(
+    checkpoint: Path, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error names `retain_graph` and the fix; the untimed plan (graphs on resident blocks only) runs it."""
+    _timed_as(monkeypatch, COMPUTE_BOUND)
+
+    def module() -> _TwoBackwards:
+        return _TwoBackwards(lambda: build_model("llama", checkpoint=checkpoint, quantized=True))
+
+    untimed = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
+    trainer(untimed, accumulate_grad_batches=1).fit(module(), loader(padded_batches(4)))
+    timed = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
+    with pytest.raises(RuntimeError, match=r"retain_graph=True.*timed_plan=False"):
+        trainer(timed, accumulate_grad_batches=1).fit(module(), loader(padded_batches(4)))
+
+
+def test_the_timed_line_states_the_choice(
+    checkpoint: Path, budget: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _timed_as(monkeypatch, COMPUTE_BOUND)
+    # Lightning's logger does not propagate to the root logger, where `caplog` listens.
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True))
+    finally:
+        lightning_logger.removeHandler(caplog.handler)
+    line = next(record.getMessage() for record in caplog.records if "timed training step 1" in record.getMessage())
+    assert re.search(r"\d+ of 8 blocks resident, \d+ blocks keep their activations \(not recomputed; \d+ of them"
+                     r" streamed\).*predicted decoder time [\d.]+ s per step against [\d.]+ s", line)  # fmt: skip

@@ -63,6 +63,13 @@ class KeptFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         """Acquire the block again, differentiate the kept graph: the input's gradient out, the adapters' to .grad."""
         remat: RematLayer = ctx.remat
+        if not hasattr(ctx, "output"):
+            raise RuntimeError(
+                f"BlockwiseStrategy: a second backward reached decoder layer {remat.index}, whose graph the first one"
+                " consumed (a layer of a streamed block keeps its graph only to its backward: NOTE [ Kept graphs of"
+                " streamed blocks ]). To backpropagate twice (`retain_graph=True`), train with"
+                " `BlockwiseStrategy(timed_plan=False)`: then only resident blocks keep graphs, as plain autograd."
+            )
         x: Tensor = ctx.x
         wants_input_grad = ctx.needs_input_grad[3]
         inputs = [x, *ctx.params] if wants_input_grad else list(ctx.params)

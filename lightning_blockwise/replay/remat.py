@@ -52,7 +52,9 @@ from lightning_blockwise.residency.base import Pass, Residency
 # plain attributes. A graph that survived its block's residency would read whatever a
 # streamed slot holds next: forward exact, gradients silently wrong. So the recompute's
 # graph is built, differentiated and dropped between ``acquire`` and ``release`` of the
-# same backward step, and the no-grad forward builds no graph at all.
+# same backward step, and the no-grad forward builds no graph at all. (A kept layer's graph does outlive
+# its block's residency: its backward brings the block back to the same slot first, NOTE [ Kept graphs
+# of streamed blocks ] in kept.py.)
 
 
 class RematLayer:

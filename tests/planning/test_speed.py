@@ -21,11 +21,16 @@ def _fits(block_bytes: list[int], capacity: int) -> callable:
     return lambda resident, kept_bytes: sum(block_bytes[:resident]) + kept_bytes <= capacity
 
 
+def _layers(block_bytes: list[int]) -> list[int]:
+    """Two layers per full block (100 bytes), one in a smaller one."""
+    return [2 if size == 100 else 1 for size in block_bytes]
+
+
 def _best_of_all(
     times: StepTimes, block_bytes: list[int], graph_bytes: list[int], capacity: int
 ) -> tuple[float, list[tuple[int, tuple[int, ...]]]]:
     """The least predicted time over every resident prefix and kept subset that fit, and the splits reaching it."""
-    layers = [1] * len(block_bytes)
+    layers = _layers(block_bytes)
     results = []
     for resident in range(len(block_bytes) + 1):
         for size in range(len(block_bytes) + 1):
@@ -50,8 +55,9 @@ def test_link_bound_spends_on_residency_first() -> None:
     assert resident == 2 and set(kept) <= set(range(resident))
 
 
+@pytest.mark.parametrize("last_block", [1.0, 0.6], ids=["uniform", "smaller last block"])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_choice_is_the_best_split_there_is(seed: int) -> None:
+def test_the_choice_is_the_best_split_there_is(seed: int, last_block: float) -> None:
     """Against every resident prefix and kept subset that fit: the least predicted time, and no other fits better."""
     rng = random.Random(seed)
     count = 5
@@ -62,12 +68,15 @@ def test_the_choice_is_the_best_split_there_is(seed: int) -> None:
         link_bytes_per_s=rng.choice([5.0, 50.0, 500.0]),
         tokens=8,
     )
-    blocks, graphs = [100] * count, [rng.choice([10, 40, 120])] * count
+    # A smaller last block: a block size that does not divide the layer count (fewer layers, fewer bytes).
+    graph = rng.choice([10, 40, 120])
+    blocks = [100] * (count - 1) + [int(100 * last_block)]
+    graphs = [graph] * (count - 1) + [int(graph * last_block)]
     capacity = rng.randrange(0, sum(blocks) + sum(graphs))
-    resident, kept = choose_blocks(times, [1] * count, blocks, graphs, _fits(blocks, capacity))
+    resident, kept = choose_blocks(times, _layers(blocks), blocks, graphs, _fits(blocks, capacity))
     assert sum(blocks[:resident]) + sum(graphs[i] for i in kept) <= capacity
     best, splits = _best_of_all(times, blocks, graphs, capacity)
-    assert times.step_seconds([1] * count, blocks, resident, set(kept)) <= best * (1 + 1e-12)
+    assert times.step_seconds(_layers(blocks), blocks, resident, set(kept)) <= best * (1 + 1e-12)
     # Ties go to the largest resident prefix among the best splits.
     assert resident == max(r for r, _ in splits)
 
@@ -80,7 +89,7 @@ def test_control_a_worse_split_is_told_apart() -> None:
     first = plan_residency(blocks, 2, 0, 0, 0, with_headroom(3 * 100 + capacity), graph_bytes=graphs)
     assert first.kept == (0, 1) and first.resident == (0, 1)
     best, _ = _best_of_all(COMPUTE_BOUND, blocks, graphs, capacity)
-    first_seconds = COMPUTE_BOUND.step_seconds([1] * 6, blocks, len(first.resident), set(first.kept))
+    first_seconds = COMPUTE_BOUND.step_seconds(_layers(blocks), blocks, len(first.resident), set(first.kept))
     assert first_seconds > best
 
 
