@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.models import GPU_SHAPES
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_device_memory() -> Iterator[None]:
+    """After each module, free what its runs left on the device (results, cycles), so the next one starts clean.
+
+    Budget tests cap the allocator at a planned peak plus what the process already holds; memory an earlier module
+    left allocated, or cached in segments it still partly uses, counted into that cap and made the order of the
+    modules matter.
+    """
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
