@@ -26,7 +26,11 @@ from dataclasses import dataclass
 # split with the least predicted step time; ties go to more resident blocks (residency also
 # saves host work and link traffic the model does not count). Before the timed step, and
 # when no step has been timed, the budget goes to resident blocks that keep their graphs,
-# from the first on: never slower than streaming, whatever the machine.
+# from the first on: never slower than streaming, whatever the machine. What the model leaves
+# out: the host's work per streamed block (acquire, release: ~0.5 ms a layer and pass on the
+# H100's host) and the lower cost of plain autograd on resident kept blocks (no wrappers, no
+# nested backward). On the host-bound H100 steps measured, the timed plans were no faster than
+# the untimed ones (benchmarks/RESULTS.md, "Timed plan"), so ``timed_plan`` is opt-in.
 
 
 @dataclass(frozen=True)
