@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, step_planner
@@ -29,13 +29,16 @@ from lightning_blockwise.step_budget import StepBudget
 from tests.helpers.models import (
     SEQ,
     CausalLMModule,
+    RunResult,
     assert_equal_runs,
     build_model,
+    collect,
     fit,
     loader,
     padded_batches,
     runs_differ,
     trainer,
+    trainer_optimizer,
 )
 
 NUM_LAYERS = 8
@@ -350,3 +353,31 @@ def test_the_timed_line_states_the_choice(
     line = next(record.getMessage() for record in caplog.records if "timed training step 1" in record.getMessage())
     assert re.search(r"\d+ of 8 blocks resident, \d+ blocks keep their activations \(not recomputed; \d+ of them"
                      r" streamed\).*predicted decoder time [\d.]+ s per step against [\d.]+ s", line)  # fmt: skip
+
+
+def test_lightnings_default_checkpoint_saves_and_resumes_a_timed_run_exactly(
+    checkpoint: Path, budget: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NF4 module, `Trainer`'s own `ModelCheckpoint`: saved at the first epoch's end, resumed into the second.
+
+    The resumed run times and re-plans again (micro-batches 0-1 of the resumed fit run the first plan); its losses,
+    grads, weights and AdamW state equal the uninterrupted run's. Control: the second epoch started afresh differs.
+    """
+    _timed_as(monkeypatch, COMPUTE_BOUND)
+
+    def run(root: Path, epochs: int, ckpt_path: Path | None = None) -> Any:
+        module = _module(checkpoint)
+        strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True)
+        seed_everything(0, verbose=False)
+        fitted = trainer(strategy, max_steps=-1, max_epochs=epochs, enable_checkpointing=True, default_root_dir=root)
+        fitted.fit(module, loader(padded_batches(8)), ckpt_path=ckpt_path)
+        return collect(module, trainer_optimizer(module))
+
+    whole = run(tmp_path / "whole", 2)
+    run(tmp_path / "first", 1)
+    (saved,) = (tmp_path / "first").rglob("*.ckpt")
+    resumed = run(tmp_path / "second", 2, ckpt_path=saved)
+    tail = RunResult(whole.losses[-8:], whole.grads[-4:], whole.weights, whole.optimizer)
+    assert len(resumed.losses) == 8
+    assert_equal_runs(tail, resumed)
+    assert runs_differ(tail, run(tmp_path / "afresh", 1))
