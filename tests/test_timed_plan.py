@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
 import lightning_blockwise  # noqa: F401
@@ -24,7 +23,6 @@ from lightning_blockwise import BlockwiseStrategy, step_planner
 from lightning_blockwise.planning import ResidencyPlan
 from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.residency.streamer import BlockStreamer
 from lightning_blockwise.step_budget import StepBudget
 from tests.helpers.models import (
     SEQ,
@@ -40,6 +38,7 @@ from tests.helpers.models import (
     trainer,
     trainer_optimizer,
 )
+from tests.helpers.streaming import backward_blocks_come_back_elsewhere
 
 NUM_LAYERS = 8
 TOKENS = 2 * SEQ
@@ -144,45 +143,6 @@ def test_streamed_blocks_keep_their_graphs_exactly(
         assert plans.counts[layer] == sum(expected), f"layer {layer}"
 
 
-def _backward_blocks_come_back_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Break slot affinity: two spare slots, and the backward copies each block into one outside its home.
-
-    (With ``prefetch_depth + 1`` slots the slot a copy may use is forced: the spare ones make another possible.)
-    """
-    original_init, original_acquire = BlockStreamer.__init__, BlockStreamer.acquire
-    original_fetch = BlockStreamer._fetch
-
-    def init(self: BlockStreamer, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if self.slots:
-            self.slots += [torch.empty_like(self.slots[0]) for _ in range(2)]
-            self._slot_block += [None, None]
-            self._copied += [None, None]
-            self._freed += [None, None]
-
-    def acquire(self: BlockStreamer, layer: int, phase: Pass) -> None:
-        self._phase = phase
-        original_acquire(self, layer, phase)
-
-    def fetch(self: BlockStreamer, block: int, window: Any) -> None:
-        home = self._home[block]
-        # In the backward any slot but the home one; in the forward the home one unless a displaced block in the
-        # window holds it (the spare slots leave one free of the window either way).
-        backward = getattr(self, "_phase", None) is Pass.BACKWARD
-        if backward or self._slot_block[home] in window:
-            self._home[block] = next(
-                s for s, held in enumerate(self._slot_block) if held not in window and not (backward and s == home)
-            )
-        try:
-            original_fetch(self, block, window)
-        finally:
-            self._home[block] = home
-
-    monkeypatch.setattr(BlockStreamer, "__init__", init)
-    monkeypatch.setattr(BlockStreamer, "acquire", acquire)
-    monkeypatch.setattr(BlockStreamer, "_fetch", fetch)
-
-
 def test_control_a_kept_graph_whose_block_comes_back_elsewhere_differs(
     checkpoint: Path, budget: int, resident: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,7 +152,7 @@ def test_control_a_kept_graph_whose_block_comes_back_elsewhere_differs(
     the block where it is now, so what the control breaks is the affinity kept graphs of streamed blocks need.
     """
     _timed_as(monkeypatch, COMPUTE_BOUND)
-    _backward_blocks_come_back_elsewhere(monkeypatch)
+    backward_blocks_come_back_elsewhere(monkeypatch)
     broken = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=True))
     assert runs_differ(resident, broken)
     untimed = fit(_module(checkpoint), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, timed_plan=False))

@@ -314,11 +314,13 @@ def plan_residency(
         assert block_layers is not None, "a timed plan needs the layers of each block"
         resident, kept_blocks = choose_blocks(times, block_layers, block_bytes, graph_bytes, fits)
     else:
-        kept = 0
-        while graph_bytes is not None and kept < len(block_bytes) and fits(kept + 1, sum(graph_bytes[: kept + 1])):
+        graphs = graph_bytes or []
+        kept, kept_bytes = 0, 0
+        while kept < len(graphs) and fits(kept + 1, kept_bytes + graphs[kept]):
+            kept_bytes += graphs[kept]
             kept += 1
         resident = kept
-        while resident < len(block_bytes) and fits(resident + 1, sum(graph_bytes[:kept]) if graph_bytes else 0):
+        while resident < len(block_bytes) and fits(resident + 1, kept_bytes):
             resident += 1
         kept_blocks = tuple(range(kept))
     kept_bytes = sum(graph_bytes[i] for i in kept_blocks) if graph_bytes is not None else 0

@@ -10,18 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import remat
 from lightning_blockwise.residency.streamer import BlockStreamer
-from lightning_blockwise.step_budget import device_bytes
 from tests.helpers.models import CausalLMModule, assert_equal_runs, fit, nf4_lora_builder, padded_batches, runs_differ
+from tests.helpers.streaming import StepPeak
 
 pytestmark = pytest.mark.gpu
 
@@ -97,36 +94,6 @@ def test_budget_parity(checkpoint: Path) -> None:
     assert strategy.residency_plan is not None and len(strategy.residency_plan.resident) >= 3
 
 
-class _StepPeak(Callback):
-    """The training steps' allocated peak, less what the process held outside the module before each step.
-
-    The whole model is built on the device before the strategy moves its blocks to the host, earlier fits'
-    results stay on the device, and the test module records each step's losses and grads there: none of it is the
-    strategy's to plan, and for a model this small the first two alone are larger than a step's peak. What a step
-    records itself counts against it.
-    """
-
-    outside = allocated = step_outside = 0
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.outside = torch.cuda.memory_allocated() - device_bytes(pl_module, pl_module.device)
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        torch.cuda.synchronize()
-        records = [*pl_module.losses, *(grad for grads in pl_module.grads for grad in grads.values())]
-        self.step_outside = self.outside + sum(record.untyped_storage().nbytes() for record in records)
-        torch.cuda.reset_peak_memory_stats()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        torch.cuda.synchronize()
-        self.allocated = max(self.allocated, torch.cuda.max_memory_allocated() - self.step_outside)
-
-
 def test_kept_activations_parity(checkpoint: Path) -> None:
     """Blocks kept (plain autograd, NOTE [ Kept activations ]), resident only and streamed in one run: exact."""
     import dataclasses
@@ -143,7 +110,7 @@ def test_kept_activations_parity(checkpoint: Path) -> None:
             break
     assert budget is not None, "no budget mixes kept, resident and streamed blocks"
     strategy = BlockwiseStrategy(block_size=1, vram_budget=budget, budget_tokens=2 * 128)
-    peak = _StepPeak()
+    peak = StepPeak()
     assert_equal_runs(resident, _fit(checkpoint, strategy, callbacks=[peak]))
     allocated = peak.allocated
     assert strategy.residency_plan is not None

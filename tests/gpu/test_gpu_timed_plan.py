@@ -24,7 +24,6 @@ import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy, step_planner
 from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.replay import remat
-from tests.gpu.test_gpu_streaming import _StepPeak
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     RunResult,
@@ -33,7 +32,7 @@ from tests.helpers.models import (
     nf4_lora_builder,
     runs_differ,
 )
-from tests.test_timed_plan import _backward_blocks_come_back_elsewhere
+from tests.helpers.streaming import StepPeak, backward_blocks_come_back_elsewhere
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +87,7 @@ def test_streamed_kept_graphs_equal_resident(
 ) -> None:
     monkeypatch.setattr(step_planner, "step_times", lambda *args, **kwargs: COMPUTE_BOUND)
     strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ, timed_plan=True)
-    peak = _StepPeak()
+    peak = StepPeak()
     blockwise = _fit(qwen2_checkpoint, strategy, callbacks=[peak])
     plan = strategy.residency_plan
     assert plan is not None and strategy._planner is not None and set(plan.kept) - set(plan.resident)
@@ -104,7 +103,7 @@ def test_control_blocks_back_in_another_slot_differ(
     qwen2_checkpoint: Path, budget: int, resident: RunResult, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(step_planner, "step_times", lambda *args, **kwargs: COMPUTE_BOUND)
-    _backward_blocks_come_back_elsewhere(monkeypatch)
+    backward_blocks_come_back_elsewhere(monkeypatch)
     broken = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=budget, budget_tokens=SEQ, timed_plan=True))
     assert runs_differ(resident, broken)
 
