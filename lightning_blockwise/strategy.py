@@ -29,6 +29,7 @@ from lightning_blockwise.accumulation import (
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
+from lightning_blockwise.compat.versions import warn_if_untested
 from lightning_blockwise.data_parallel import DataParallelStrategy
 from lightning_blockwise.device_memory import check_cap
 from lightning_blockwise.module_placement import ModulePlacement, shared_copy_key
@@ -202,6 +203,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        warn_if_untested()
         # Refuse a module that cannot train blockwise before anything moves or optimizers are built.
         refuse_compiled(self.lightning_module)
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)

@@ -12,6 +12,7 @@ Example::
     python -m lightning_blockwise validate --config configs/demo.yaml
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --gpu-memory 24GiB
     lightning-blockwise export runs/adapter /models/Qwen2.5-7B out/merged --merge bf16
+    lightning-blockwise versions --check
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing_extensions import override
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
+from lightning_blockwise.compat.versions import VERSIONS_COMMAND, versions_command
 
 #: What ``lightning-blockwise --help`` says: every command, LightningCLI's and the two dispatched by `main`.
 DESCRIPTION = (
@@ -36,7 +38,8 @@ DESCRIPTION = (
     " Commands: fit, validate, test, predict (the Trainer's, below);"
     f" {PLAN_COMMAND} (predict a model's host RAM and VRAM from its config, no weights read);"
     f" {EXPORT_COMMAND} (write a trained adapter as a PEFT directory, or merged into its base, streamed layer by"
-    " layer). `lightning-blockwise COMMAND --help` describes each."
+    f" layer); {VERSIONS_COMMAND} (the tested range of each dependency and what is installed; `--check` exits 1"
+    " outside it). `lightning-blockwise COMMAND --help` describes each."
 )
 
 
@@ -149,6 +152,8 @@ def main(args: ArgsType = None) -> None:
         plan(argv[1:])
     elif isinstance(argv, list) and argv[:1] == [EXPORT_COMMAND]:
         export_command(argv[1:])
+    elif isinstance(argv, list) and argv[:1] == [VERSIONS_COMMAND]:
+        versions_command(argv[1:])
     else:
         build_cli(args)
 

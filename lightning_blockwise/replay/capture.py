@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_blockwise.compat.transformers import is_cache, is_cache_argument
+
 # NOTE [ Per-layer call replay ]
 # Decoder layers of one model are not called with one set of arguments. Hybrid models
 # (Gemma 2/3, Qwen2 with ``use_sliding_window``) hand sliding-window layers a different
@@ -21,9 +23,8 @@ from torch import Tensor
 # The KV cache is the one argument not replayed: a recompute that wrote into the cache
 # again would attend over its own keys twice. Like Hugging Face's gradient
 # checkpointing, a captured call runs without a cache in both the forward and the
-# recompute; training never reads it.
-
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# recompute; training never reads it. Its name changes between transformers releases
+# (NOTE [ The KV cache under every name ] in compat/transformers.py).
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,7 @@ class LayerCall:
             RuntimeError: If an argument other than the hidden states requires grad: its
                 gradient would be lost, since only the hidden states and adapters get one.
         """
-        kwargs = dict(kwargs)
-        for name in _CACHE_KWARGS:
-            if name in kwargs:
-                kwargs[name] = None
+        kwargs = {name: None if is_cache_argument(name, value) else value for name, value in kwargs.items()}
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         for name, value in [*enumerate(args), *kwargs.items()]:
@@ -88,7 +86,8 @@ class LayerCall:
         states = [AutocastState.capture(device.type)]
         if device.type != "cpu":
             states.append(AutocastState.capture("cpu"))
-        return cls(args=tuple(args), kwargs=kwargs, autocast=tuple(states))
+        args = tuple(None if is_cache(value) else value for value in args)
+        return cls(args=args, kwargs=kwargs, autocast=tuple(states))
 
     @contextmanager
     def autocast_context(self) -> Iterator[None]:

@@ -266,12 +266,12 @@ def test_long_context_module_blockwise_equals_resident(checkpoints: dict[str, Pa
     blockwise = _long_context_run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "blockwise", **options)
     assert torch.equal(resident, blockwise), f"{resident.tolist()} vs {blockwise.tolist()}"
     # Control arms: each option is part of the function the module trains, so the module without either of them
-    # (or both) trains to other losses on the CPU, from the second step on (LoRA's B starts at zero, so the first
-    # loss is the base's in every arm). A run that silently dropped the chunked loss or the tiling would fail the
-    # comparison above.
+    # (or both) trains to other losses on the CPU. A run that silently dropped the chunked loss or the tiling would
+    # fail the comparison above. (Whether the first loss, the base's, already differs depends on the CPU: a tile's
+    # matmul has fewer rows, and some CPUs' kernels round a row differently with another row count.)
     for kept in ({"loss_chunk_tokens": CHUNK}, {"mlp_tile_tokens": TILE}, {}):
         other = _long_context_run(checkpoints["llama"], "auto", tmp_path / f"only-{'-'.join(kept)}", **kept)
-        assert torch.equal(other[0], resident[0]) and not torch.equal(other, resident), f"{kept}: {other.tolist()}"
+        assert torch.allclose(other, resident, rtol=1e-4) and not torch.equal(other, resident), f"{kept}: {other}"
 
 
 def test_dense_base_trains_blockwise_equal_to_resident(checkpoints: dict[str, Path], tmp_path: Path) -> None:
