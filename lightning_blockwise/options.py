@@ -26,9 +26,18 @@ def check_optional_bool(name: str, value: Any) -> None:
 
 
 def check_bool(name: str, value: Any) -> None:
-    """Refuse a strategy option that must be ``True`` or ``False``."""
+    """Refuse a strategy option that must be ``True`` or ``False``.
+
+    A string is refused too: ``"no"`` and ``"false"`` are truthy, so ``save_frozen_base="no"`` would write the
+    whole base into every checkpoint.
+    """
     if not isinstance(value, bool):
-        raise MisconfigurationException(f"`BlockwiseStrategy({name}={value!r})` must be True or False.")
+        # Any non-empty string reads as True, so say so: `"no"` and `"false"` would otherwise look like False.
+        truthy = " (every non-empty string reads as True)" if isinstance(value, str) else ""
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy({name}={value!r})` must be True or False, not a {type(value).__name__}{truthy}."
+            f" Write `{name}=True` or `{name}=False` in Python, or `{name}: true` / `false` unquoted in YAML."
+        )
 
 
 def budget_bytes(vram_budget: int | str | None) -> int | None:
@@ -66,7 +75,10 @@ def refuse_compiled(module: torch.nn.Module) -> None:
 
 
 def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
-    """Refuse bitsandbytes 4-bit layers in eval mode at the start of CPU training (their names given).
+    """Refuse bitsandbytes 4-bit layers in eval mode when CPU training is set up (their names given).
+
+    Called at setup, before the sanity validation and any callback's fit-start work (a `ParityCheck` would
+    otherwise report a bit-identical run first).
 
     NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py. Training wants train
     mode anyway (dropout is off in eval mode).

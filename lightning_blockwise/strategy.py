@@ -16,7 +16,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
@@ -68,6 +68,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             caching allocator's per-process cap for the run, with expandable segments on (NOTE [ A budget is a cap
             on the card ] in planning/memory.py). Blocks that fit under it with the step's predicted peak and 10%
             headroom stay on the device for the whole run (less traffic, faster steps); without it every block streams.
+            On the CPU it has no effect (the base is in host memory already); setup warns.
         budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default: the data
             module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either way a longer batch is
             planned for before its step runs (NOTE [ A budget that sees the batches ] in step_budget.py).
@@ -112,7 +113,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
     Raises:
         MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is not an integer
             of at least 1, ``vram_budget`` is not a positive size, ``offload_activations`` is not a bool or ``None``,
-            or ``device`` is a GPU and CUDA is not available.
+            a bool option (``save_frozen_base``, ``allow_unvalidated``, ...) is not a bool, or ``device`` is a GPU
+            and CUDA is not available.
 
     Example::
 
@@ -187,7 +189,9 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         self.keep_activations = keep_activations
         self.timed_plan = timed_plan
         self._planner: StepPlanner | None = None
+        check_bool("allow_unvalidated", allow_unvalidated)
         self.allow_unvalidated = allow_unvalidated
+        check_bool("save_frozen_base", save_frozen_base)
         self.save_frozen_base = save_frozen_base
         check_optional_bool("share_host_copy", share_host_copy)
         self.share_host_copy = share_host_copy
@@ -213,6 +217,10 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             raise MisconfigurationException(f"`BlockwiseStrategy(block_size={self.block_size})`: {error}") from None
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainable(stack)
+            if self.root_device.type == "cpu":
+                # At setup, before the sanity validation and the callbacks' fit-start work (a `ParityCheck` would
+                # report a bit-identical comparison first): Lightning keeps the modes it finds until training.
+                refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(stack))
             window = planned_window(trainer) if self.block_major_accumulation else 1
             if window > 1:
                 refuse_unsupported(self.lightning_module, stack, self.world_size)
@@ -223,6 +231,12 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
+        elif self.vram_budget is not None:
+            rank_zero_warn(
+                f"{self._budget_owner} has no effect on the {self.root_device.type.upper()}: the frozen base already"
+                " lives in host memory, so every block counts as resident and nothing streams or is capped. Drop"
+                " `vram_budget`, or train on a GPU (`accelerator='gpu'`) to have it cap the card's memory."
+            )
         super().setup(trainer)  # calls `model_to_device`, which sets up the streamer, then wraps in DDP
         assert self._layers is not None and self._planner is not None
         self._layers.install()
@@ -360,9 +374,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.root_device.type == "cpu":
-            assert self._stack is not None
-            refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(self._stack))
         # NOTE [ Loader state restored late ] in checkpoint_hooks.py, then NOTE [ Exact resume ] in replay/rng.py:
         # after every `on_train_start` hook, before the first batch.
         fit_loop = self.lightning_module.trainer.fit_loop

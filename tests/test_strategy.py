@@ -305,9 +305,47 @@ def test_error_two_hugging_face_models() -> None:
     _fit_expecting(module, "holds 2 Hugging Face models")
 
 
-def test_error_cpu_eval_mode_4bit(checkpoints: dict[str, Path]) -> None:
-    module = CausalLMModule(lambda: build_model("llama", checkpoint=checkpoints["llama"], quantized=True).eval())
-    _fit_expecting(module, r"4-bit layers are in eval mode.*model.train\(\)")
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_error_cpu_eval_mode_4bit_at_setup_before_sanity_check_and_parity_check(
+    checkpoints: dict[str, Path], mode: str
+) -> None:
+    """Refused at setup: no sanity validation ran and `ParityCheck` reported nothing (control: train mode runs both)."""
+    from lightning_blockwise.callbacks.parity import ParityCheck
+
+    model = build_model("llama", checkpoint=checkpoints["llama"], quantized=True, lora_dropout=0.0)
+    module = CausalLMModule(lambda: model.train(mode == "train"))
+    check = ParityCheck()
+    run = trainer("blockwise", callbacks=[check], num_sanity_val_steps=1, limit_val_batches=1, max_steps=1)
+    data = loader(padded_batches(2))
+    if mode == "train":
+        run.fit(module, data, data)
+        assert len(module.val_losses) >= 1 and check.result is not None and check.result.passed
+        return
+    with pytest.raises(MisconfigurationException, match=r"4-bit layers are in eval mode.*model.train\(\)"):
+        run.fit(module, data, data)
+    assert module.val_losses == [] and check.result is None
+
+
+@pytest.mark.parametrize("name", ["save_frozen_base", "allow_unvalidated"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_error_bool_options_refuse_anything_else(name: str, value: Any) -> None:
+    # `save_frozen_base="no"` is truthy: every checkpoint would carry the whole base.
+    match = rf"`BlockwiseStrategy\({name}=.*must be True or False.*unquoted in YAML"
+    with pytest.raises(MisconfigurationException, match=match):
+        BlockwiseStrategy(**{name: value})
+    for ok in (True, False):
+        assert getattr(BlockwiseStrategy(**{name: ok}), name) is ok
+
+
+def test_vram_budget_on_the_cpu_warns_it_has_no_effect() -> None:
+    with pytest.warns(UserWarning, match=r"vram_budget=1073741824\)` has no effect on the CPU.*Drop `vram_budget`"):
+        fit(CausalLMModule(lambda: build_model("llama")), BlockwiseStrategy(vram_budget="1GiB"), max_steps=1)
+
+
+def test_no_vram_budget_on_the_cpu_no_warning(recwarn: pytest.WarningsRecorder) -> None:
+    """Control: the warning is the budget's, not any CPU run's."""
+    fit(CausalLMModule(lambda: build_model("llama")), "blockwise", max_steps=1)
+    assert not [w for w in recwarn if "has no effect on the CPU" in str(w.message)]
 
 
 def test_find_decoder_stack_on_a_bare_hugging_face_model() -> None:
