@@ -19,11 +19,13 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY
+from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import (
     DEFAULT_TARGETS,
@@ -54,14 +56,21 @@ def main() -> None:
     parser.add_argument("--load-blockwise", action="store_true", help="load the base with load_blockwise (shared)")
     parser.add_argument("--callbacks", action="store_true", help="ParityCheck and BlockwiseProfiler on every rank")
     parser.add_argument("--no-reduce", action="store_true", help="control: DDP reduces nothing (local gradients)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="one GPU per rank: NF4 with bf16 compute, bf16-mixed, deterministic, seq 512"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    build = (
-        (lambda: _load(args.checkpoint))
-        if args.load_blockwise
-        else (lambda: build_model("llama", args.checkpoint, quantized=True, lora_dropout=0.1))
-    )
+    if args.gpu:
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        build = lambda: _gpu_build(args.checkpoint, args.load_blockwise, device)  # noqa: E731
+    else:
+        build = (
+            (lambda: _load(args.checkpoint))
+            if args.load_blockwise
+            else (lambda: build_model("llama", args.checkpoint, quantized=True, lora_dropout=0.1))
+        )
     module = CausalLMModule(build)
     if args.strategy == "blockwise":
         strategy = BlockwiseStrategy(ddp_kwargs=args.ddp_kwargs)
@@ -71,11 +80,16 @@ def main() -> None:
     before = _arena_hash(module)
     if args.epochs is None:
         # Every rank draws 2 micro-batches per optimizer step from its shard (Lightning's DistributedSampler).
-        batches = padded_batches(args.devices * 2 * args.max_steps, seed=7)
+        count = args.devices * 2 * args.max_steps
+        batches = (
+            padded_batches(count, batch_size=1, seq=512, vocab=32000, seed=7)
+            if args.gpu
+            else padded_batches(count, seed=7)
+        )
         callbacks: list[Callback] = [ParityCheck(), BlockwiseProfiler(dirpath=args.out)] if args.callbacks else []
         callbacks += [_NoReduce()] if args.no_reduce else []
         result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps,
-                     accumulate_grad_batches=2, callbacks=callbacks)  # fmt: skip
+                     accumulate_grad_batches=2, callbacks=callbacks, **_device_kwargs(args))  # fmt: skip
         if args.callbacks:
             check = callbacks[0].result
             record = {"passed": check is not None and check.passed, "profiled": bool(callbacks[1].summary)}
@@ -95,6 +109,11 @@ def _arena_hash(module: CausalLMModule) -> str | None:
     return None if copy is None else hashlib.sha256(copy.arena.storage.numpy().tobytes()).hexdigest()
 
 
+def _device_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Trainer's device settings: the CPU defaults, or a GPU per rank in deterministic bf16-mixed."""
+    return dict(accelerator="gpu", precision="bf16-mixed", deterministic=True) if args.gpu else {}
+
+
 def _load(checkpoint: Path) -> torch.nn.Module:
     """What `build_model(..., quantized=True)` builds, its base loaded by `load_blockwise` (shared by the ranks)."""
     torch.manual_seed(0)
@@ -107,6 +126,27 @@ def _load(checkpoint: Path) -> torch.nn.Module:
         init_lora_weights=False,
     )
     return get_peft_model(model, lora)
+
+
+def _gpu_build(checkpoint: Path, shared: bool, device: str) -> torch.nn.Module:
+    """A GPU rank's model: the checkpoint as NF4 with bf16 compute, LoRA r=16 on every projection, dropout 0.1.
+
+    ``shared``: the base loaded by `load_blockwise` (one host copy for the ranks), else by `from_pretrained` on
+    ``device`` (what `strategy="ddp"` trains). The adapters are drawn from a CPU generator either way, so both
+    builds start from the same numbers wherever PEFT creates the adapters' tensors.
+    """
+    if shared:
+        model = load_blockwise(checkpoint, compute_dtype=torch.bfloat16, device=device, progress=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, quantization_config=nf4_config(torch.bfloat16), device_map=device
+        ).train()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=DEFAULT_TARGETS))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model
 
 
 class _NoReduce(Callback):
@@ -134,7 +174,7 @@ def _fit_epochs(module: CausalLMModule, strategy: Any, args: argparse.Namespace)
     pl.seed_everything(0, verbose=False)
     save = ModelCheckpoint(dirpath=args.out / "checkpoints", save_top_k=-1, every_n_epochs=1, save_last=False)
     fitter = trainer(strategy, devices=args.devices, max_steps=-1, max_epochs=args.epochs, accumulate_grad_batches=2,
-                     enable_checkpointing=True, callbacks=[_RankSeed(), save])  # fmt: skip
+                     enable_checkpointing=True, callbacks=[_RankSeed(), save], **_device_kwargs(args))  # fmt: skip
     ckpt_path = args.resume
     if ckpt_path is not None and args.drop_rank_rng:
         checkpoint = torch.load(ckpt_path, weights_only=False)
@@ -142,7 +182,11 @@ def _fit_epochs(module: CausalLMModule, strategy: Any, args: argparse.Namespace)
         # Each rank its own copy (they read it at once).
         ckpt_path = args.out / f"without_rank_rng_{os.environ.get('RANK', '0')}.ckpt"
         torch.save(checkpoint, ckpt_path)
-    fitter.fit(module, loader(padded_batches(args.devices * 4, seed=7)), ckpt_path=ckpt_path)
+    count = args.devices * 4
+    batches = (
+        padded_batches(count, batch_size=1, seq=512, vocab=32000, seed=7) if args.gpu else padded_batches(count, seed=7)
+    )
+    fitter.fit(module, loader(batches), ckpt_path=ckpt_path)
     return collect(module, trainer_optimizer(module))
 
 
