@@ -71,15 +71,12 @@ def find_decoder_stack(module: nn.Module, allow_unvalidated: bool = False) -> De
         )
     name, model = models[0]
     model_type = str(getattr(model.config, "model_type", ""))
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    layers = decoder_layers(model)
+    if layers is None:
         raise MisconfigurationException(
-            f"BlockwiseStrategy found no decoder stack in `{name or type(module).__name__}` ({type(model).__name__},"
-            f" model_type {model_type!r}): it streams the layers at `get_decoder().layers` (a non-empty"
-            f" `nn.ModuleList`), but {_where_the_layers_are(model, decoder)} Models that keep their layers"
-            " elsewhere are not supported, and `BlockwiseStrategy(allow_unvalidated=True)` would not help: it"
-            " accepts other model types, but only with their layers at `get_decoder().layers`."
+            f"BlockwiseStrategy {no_decoder_stack(model, name or type(module).__name__)}, and"
+            " `BlockwiseStrategy(allow_unvalidated=True)` would not help: it accepts other model types, but only with"
+            " their layers at `get_decoder().layers`."
         )
     if model_type not in VALIDATED_MODEL_TYPES and not allow_unvalidated:
         raise MisconfigurationException(
@@ -88,6 +85,33 @@ def find_decoder_stack(module: nn.Module, allow_unvalidated: bool = False) -> De
             " `BlockwiseStrategy(allow_unvalidated=True)` and add the `ParityCheck` callback to verify the run."
         )
     return DecoderStack(model=model, model_type=model_type, layers=layers)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers at ``model.get_decoder().layers``, or ``None`` where there is no non-empty list there."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
+
+
+def no_decoder_stack(model: nn.Module, name: str) -> str:
+    """Why ``model`` (called ``name``) has no decoder stack, naming where its layers are: for the caller's error.
+
+    One message for the strategy and ``load_blockwise``: a causal LM such as GPT-2 that keeps its layers elsewhere
+    (``transformer.h``) is told so, not that it is not a causal LM.
+    """
+    model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    kind = (
+        f"model_type {model_type!r}"
+        if name == type(model).__name__
+        else f"{type(model).__name__}, model_type {model_type!r}"
+    )
+    return (
+        f"found no decoder stack in `{name}` ({kind}): it streams the"
+        f" layers at `get_decoder().layers` (a non-empty `nn.ModuleList`), but {_where_the_layers_are(model, decoder)}"
+        " Models that keep their layers elsewhere are not supported"
+    )
 
 
 def adapter_parameters(layer: nn.Module) -> dict[str, nn.Parameter]:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
+from lightning_blockwise.architectures import decoder_layers, no_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import (
     SAVED_WEIGHT_ENTRIES,
     is_4bit_weight,
@@ -212,12 +213,10 @@ def load_rest(model: PreTrainedModel, found: CheckpointMap, keys: dict[str, Any]
 
 
 def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise MisconfigurationException(
-            f"load_blockwise: `{type(model).__name__}` has no decoder stack (`model.get_decoder().layers`); only"
-            " decoder-only causal LMs are supported."
-        )
+    layers = decoder_layers(model)
+    if layers is None:
+        # The strategy's words, which name where the layers are (GPT-2: `transformer.h`).
+        raise MisconfigurationException(f"load_blockwise {no_decoder_stack(model, type(model).__name__)}.")
     return layers
 
 

@@ -325,6 +325,19 @@ def test_missing_path_says_it_does_not_exist(saved: dict[str, Path], tmp_path: P
         _load(saved["llama-bf16"] / "config.json", torch.float32)
 
 
+def test_gpt2_names_where_its_layers_are(tmp_path: Path) -> None:
+    """GPT-2 is a causal LM that keeps its layers at `transformer.h`: the strategy's message, not "not decoder-only"."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    match = (
+        r"load_blockwise found no decoder stack in `GPT2LMHeadModel` \(model_type 'gpt2'\): it"
+        r" streams the layers at `get_decoder\(\).layers`.*module lists inside it: `transformer.h`"
+    )
+    with pytest.raises(MisconfigurationException, match=match) as refused:
+        _load(tmp_path, torch.float32)
+    assert "decoder-only" not in str(refused.value)
+
+
 def test_truncated_shard(saved: dict[str, Path], tmp_path: Path) -> None:
     path = _corrupt(saved["llama-bf16"], tmp_path)
     data = (path / "model.safetensors").read_bytes()
