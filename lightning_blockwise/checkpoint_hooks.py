@@ -35,7 +35,9 @@ from lightning_blockwise.streamed_stack import StreamedStack
 # back; every random number of the resumed epoch was then one draw off (dropout masks differed from
 # the first batch on). So after putting the states back the strategy makes that iterator again,
 # with the samplers' epoch set first, as the uninterrupted run does (tests/distributed and
-# tests/test_checkpointing.py, resumed after an epoch: exact, with controls).
+# tests/test_checkpointing.py, resumed after an epoch: exact, with controls). A step checkpoint
+# (`every_n_train_steps`) written at an epoch's last batch is the same case under another restart
+# stage: Lightning calls it mid-epoch and closes that epoch on resume (`_resumed_after_an_epoch`).
 
 
 class CheckpointHooks:
@@ -150,7 +152,7 @@ class CheckpointHooks:
 
         NOTE [ Loader state restored late ]; a no-op for a fresh run or one resumed mid-epoch.
         """
-        if not (fit_loop.resumed_on_epoch_end or fit_loop.restarted_on_epoch_end) or fit_loop._data_fetcher is None:
+        if not _resumed_after_an_epoch(fit_loop) or fit_loop._data_fetcher is None:
             return
         for loader in fit_loop._combined_loader.flattened:
             _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
@@ -187,6 +189,24 @@ class CheckpointHooks:
         GlobalRngState.from_state_dict(self._rng_to_restore).restore()
         self._rng_to_restore = None
         return True
+
+
+def _resumed_after_an_epoch(fit_loop: Any) -> bool:
+    """Whether the checkpoint was written after its epoch's last batch: at the epoch's end, or by a step interval.
+
+    A checkpoint of `ModelCheckpoint(every_n_train_steps=k)` whose step k is an epoch's last batch is written in
+    `on_train_batch_end`, before the epoch ends: Lightning restarts it "mid-epoch" and finishes that epoch at once
+    (`_FitLoop.reset`), so the next epoch's iterator must be made again as for an epoch-end checkpoint
+    (NOTE [ Loader state restored late ]).
+    """
+    if fit_loop.resumed_on_epoch_end or fit_loop.restarted_on_epoch_end:
+        return True
+    epoch_loop = fit_loop.epoch_loop
+    return bool(
+        fit_loop.restarted_mid_epoch
+        and epoch_loop.restarted_on_train_batch_end
+        and epoch_loop.batch_progress.is_last_batch
+    )
 
 
 __all__ = ["CheckpointHooks"]

@@ -346,3 +346,30 @@ def test_resume_at_an_epoch_end_is_exact(tmp_path: Path, monkeypatch: pytest.Mon
     assert_equal_runs(_tail(whole, 4), _epoch_run(tmp_path / "second", ckpt_path=checkpoint))
     monkeypatch.setattr(CheckpointHooks, "restart_epoch", staticmethod(lambda fit_loop: None))
     assert runs_differ(_tail(whole, 4), _epoch_run(tmp_path / "third", ckpt_path=checkpoint))
+
+
+def _stepped_run(root: Path, ckpt_path: Path | None = None) -> RunResult:
+    """Two epochs of four batches of a plain loader, a checkpoint every four steps: each one ends an epoch."""
+    pl.seed_everything(0, verbose=False)
+    module = CausalLMModule(lambda: build_model("llama", lora_dropout=0.1), in_configure_model=True)
+    save = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    fitted = trainer(BlockwiseStrategy(), max_steps=-1, max_epochs=2, accumulate_grad_batches=1,
+                     enable_checkpointing=True, callbacks=[save])  # fmt: skip
+    fitted.fit(module, loader(padded_batches(4)), ckpt_path=ckpt_path)
+    return collect(module, trainer_optimizer(module))
+
+
+def test_resume_at_a_step_checkpoint_that_ends_an_epoch_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ModelCheckpoint(every_n_train_steps=4)` over epochs of four batches: the step-4 checkpoint ends epoch 0.
+
+    Control: without making the loader iterator again after the RNG states are back, the resumed epoch's random
+    numbers are one draw off.
+    """
+    whole = _stepped_run(tmp_path / "whole")
+    checkpoint = tmp_path / "whole" / "step=4.ckpt"
+    resumed = _stepped_run(tmp_path / "second", ckpt_path=checkpoint)
+    assert_equal_runs(_tail(whole, 4), resumed)
+    monkeypatch.setattr(CheckpointHooks, "restart_epoch", staticmethod(lambda fit_loop: None))
+    assert runs_differ(_tail(whole, 4), _stepped_run(tmp_path / "third", ckpt_path=checkpoint))
