@@ -13,10 +13,14 @@ that claims the key attaches: it maps the owner's pages read-only instead of loa
         else:
             arena, meta = shared  # check `meta` names the same base and layout
         ...  # train; the owner serves late-comers until the claim is released
+
+``attach`` also returns ``None`` when no owner of this user can be reached (then ``owner`` stays ``False``):
+the process loads a copy of its own and shares nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -28,12 +32,22 @@ from typing import Any
 from lightning_blockwise.residency.arena import HostArena, meminfo_bytes
 from lightning_blockwise.residency.fd_socket import encode, listen, peer, receive, serve, socket_address
 
+log = logging.getLogger(__name__)
+
 #: How long a process waits for another one to finish loading or packing the copy it shares (a 72B base
 #: loads in about 20 s from a warm page cache on the H100 machine; a cold disk takes minutes).
 SHARE_TIMEOUT_S = 3600.0
 
+#: How long a process tries to reach an owner of its own user on a key's address before it loads a copy of
+#: its own (NOTE [ Addresses no other user can take ] in fd_socket.py): a real owner listens from the moment
+#: it binds, so only an address bound by someone who never answers stays unreachable this long.
+REACH_TIMEOUT_S = 10.0
+
 #: The claims this process owns (a claim lives as long as the copy it serves).
 _OWNED: weakref.WeakValueDictionary[str, ArenaClaim] = weakref.WeakValueDictionary()
+
+# Why a peer could not reach an owner, when the address refused its connection.
+_NO_ANSWER = "it is bound, but no process answers on it"
 
 # How long a peer waits before it connects again when nobody listens on the address yet.
 _RETRY_INTERVAL_S = 0.02
@@ -63,7 +77,14 @@ _RETRY_INTERVAL_S = 0.02
 # through. The pages are not sealed against writes (`F_SEAL_FUTURE_WRITE` needs Linux 5.1, and processes
 # of the same user can write each other's memory anyway); their size is sealed, so no peer can make the
 # others' reads fault. Only processes of the same user are served, and a peer only accepts memory from one
-# (`SO_PEERCRED`, both ways); the uid is in the address too, so users never contend for one.
+# (`SO_PEERCRED`, both ways); the uid is in the address too, so users never contend for one, and so is a
+# secret of the user's, so that no other user can take it (NOTE [ Addresses no other user can take ] in
+# fd_socket.py).
+#
+# One writer or none: the owner's mapping is writable, and a checkpoint that carries the base would be
+# written through it into every peer's weights. The owner counts the peers it served; while any of them
+# lives it must not write the copy (`HostCopy.prepare_base_write` in placement.py refuses), and once none
+# does it stops serving first, since the copy is about to hold another base than its key names.
 #
 # The owner exits first: peers keep reading their mappings (the pages live until the last mapping goes),
 # but the address is gone with the owner, so a process that claims the key afterwards becomes the owner
@@ -91,7 +112,9 @@ def owned_here(key: str) -> bool:
 def attach_or_own(key: str | None, pin: bool) -> tuple[ArenaClaim | None, HostArena | None]:
     """The claim on ``key`` (``None``: not shared, or this process owns it already) and, for a peer, the owner's arena.
 
-    The owner (an arena of ``None``) builds its arena and ends with :func:`serve_or_release`.
+    The owner (an arena of ``None``) builds its arena and ends with :func:`serve_or_release`. A process that
+    reaches no owner (:meth:`ArenaClaim.attach`) gets ``(None, None)``: it builds a copy of its own, whose host
+    RAM its caller checks as for any unshared load.
     """
     if key is None or owned_here(key):
         return None, None
@@ -99,7 +122,9 @@ def attach_or_own(key: str | None, pin: bool) -> tuple[ArenaClaim | None, HostAr
     if taken.owner:
         return taken, None
     attached = taken.attach(pin=pin, timeout=SHARE_TIMEOUT_S)  # None: the owner died first, this process owns
-    return taken, None if attached is None else attached[0]
+    if attached is None:
+        return (taken, None) if taken.owner else (None, None)
+    return taken, attached[0]
 
 
 def serve_or_release(taken: ArenaClaim | None, arena: HostArena, meta: dict[str, Any]) -> ArenaClaim | None:
@@ -151,6 +176,8 @@ class ArenaClaim:
             _OWNED[key] = self
         self._arena: HostArena | None = None
         self._server: threading.Thread | None = None
+        # The pids of the peers served (appended by the serving thread).
+        self._served: list[int] = []
 
     def publish(self, arena: HostArena, meta: dict[str, Any]) -> None:
         """Serve ``arena`` to every process that attaches, from a daemon thread, until :meth:`release`.
@@ -185,29 +212,40 @@ class ArenaClaim:
         self._arena = arena
         self._server = threading.Thread(
             target=serve,
-            args=(self._listener, arena.fd, message),
+            args=(self._listener, arena.fd, message, self._served.append),
             name=f"lightning-blockwise arena {self.key}",
             daemon=True,
         )
         self._server.start()
 
-    def attach(self, pin: bool, timeout: float) -> tuple[HostArena, dict[str, Any]] | None:
+    def peers(self) -> list[int]:
+        """The pids of the processes this owner served that still run (they may map its arena)."""
+        return [pid for pid in dict.fromkeys(self._served) if _alive(pid)]
+
+    def attach(
+        self, pin: bool, timeout: float, reach_timeout: float | None = None
+    ) -> tuple[HostArena, dict[str, Any]] | None:
         """Map the owner's arena read-only, waiting until it is published.
 
         Returns ``None`` when the owner died before publishing and this claim took its place
-        (``owner`` is now ``True``): build the arena and :meth:`publish` it.
+        (``owner`` is now ``True``): build the arena and :meth:`publish` it. Returns ``None`` too, with
+        ``owner`` still ``False`` and a warning logged, when no process of this user answers on the address
+        within ``reach_timeout`` seconds (NOTE [ Addresses no other user can take ] in fd_socket.py): build an
+        arena of this process's own and share it with no one.
 
         Args:
             pin: Page-lock the mapping for copies to a CUDA device (``cudaHostRegisterReadOnly``).
             timeout: Seconds to wait for the owner to publish (it may be loading a large base).
+            reach_timeout: Seconds to wait for an owner of this user to answer at all (``None``:
+                :data:`REACH_TIMEOUT_S`).
 
         Returns:
             The arena and the ``meta`` the owner published with it (through JSON), or ``None``.
 
         Raises:
             ValueError: If ``timeout`` is not positive.
-            RuntimeError: If this process owns the key, two owners died before publishing, the address
-                is held by another user's process, or CUDA refuses to page-lock the mapping.
+            RuntimeError: If this process owns the key, two owners died before publishing, or CUDA refuses to
+                page-lock the mapping.
             TimeoutError: If the owner has not published within ``timeout`` seconds.
         """
         if timeout <= 0:
@@ -216,18 +254,28 @@ class ArenaClaim:
             raise RuntimeError(
                 f"ArenaClaim.attach: this process owns {self.key!r}; build the arena, load it and `publish` it."
             )
+        reach_timeout = REACH_TIMEOUT_S if reach_timeout is None else reach_timeout
         deadline = time.monotonic() + timeout
+        unreachable_after = time.monotonic() + min(timeout, reach_timeout)
         owners_lost = 0
+        holder = None  # another user's process seen on the address (its backlog may be full afterwards)
         while True:
-            connection = self._connect(deadline, timeout)
+            connection, why = self._connect(deadline, timeout, unreachable_after)
+            holder = why if why not in (None, _NO_ANSWER) else holder
             if connection is None:
-                # Nobody listens: the owner is gone, or it has bound the address and not listened yet.
+                # Nobody of this user listens: the owner is gone (the address is free, take it), has bound the
+                # address and not listened yet (microseconds), or someone else holds it and never answers.
                 if self._take_over():
+                    return None
+                if time.monotonic() >= unreachable_after:
+                    self._give_up(holder or why, reach_timeout)
                     return None
                 time.sleep(_RETRY_INTERVAL_S)
                 continue
             with connection:
                 received = self._receive(connection, deadline, timeout)
+            # An owner of this user answered: a new owner, if this one is lost, gets the same bound to answer.
+            unreachable_after = time.monotonic() + min(timeout, reach_timeout)
             if received is None:
                 # NOTE [ One host copy per machine ]: the owner died before publishing.
                 owners_lost += 1
@@ -280,29 +328,36 @@ class ArenaClaim:
         _OWNED[self.key] = self
         return True
 
-    def _connect(self, deadline: float, timeout: float) -> socket.socket | None:
-        """A connection to the owner of the address, or ``None`` if no process listens on it."""
+    def _connect(
+        self, deadline: float, timeout: float, unreachable_after: float
+    ) -> tuple[socket.socket, None] | tuple[None, str]:
+        """A connection to this user's owner of the address, or ``None`` and why there is none."""
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            connection.settimeout(self._remaining(deadline, timeout, owner_pid=None))
+            # A full backlog blocks `connect`; only an owner that answers earns the longer wait.
+            connection.settimeout(max(1e-3, min(unreachable_after, deadline) - time.monotonic()))
             connection.connect(self.address)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, BlockingIOError, TimeoutError):
             connection.close()
-            return None
-        except TimeoutError:
-            connection.close()
-            raise self._timeout_error(timeout, owner_pid=None) from None
+            self._remaining(deadline, timeout, owner_pid=None)
+            return None, _NO_ANSWER
         except BaseException:
             connection.close()
             raise
         pid, uid = peer(connection)
         if uid != os.getuid():
+            # NOTE [ One host copy per machine ]: never another user's memory.
             connection.close()
-            raise RuntimeError(
-                f"shared_arena: the address of {self.key!r} is held by process {pid} of user {uid}, not by a"
-                " process of this user; refusing its memory. Stop that process, or use another key."
-            )
-        return connection
+            return None, f"process {pid} of user {uid} holds it"
+        return connection, None
+
+    def _give_up(self, why: str, reach_timeout: float) -> None:
+        """Say that no owner of this user answers, and that this process loads a copy of its own."""
+        log.warning(
+            f"shared_arena: no process of this user answers on the address of the host copy {self.key!r} within"
+            f" {reach_timeout:g} s ({why}); loading a copy of this process's own, shared with no one: host RAM"
+            " must hold a second copy of the base."
+        )
 
     def _receive(self, connection: socket.socket, deadline: float, timeout: float) -> tuple[dict[str, Any], int] | None:
         """The owner's header and memfd, or ``None`` if the owner closed the connection without sending them."""
@@ -328,7 +383,19 @@ class ArenaClaim:
         )
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts: it may not have dropped its mappings yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 __all__ = [
+    "REACH_TIMEOUT_S",
     "SHARE_TIMEOUT_S",
     "ArenaClaim",
     "attach_or_own",

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import pickle
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -19,12 +21,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lightning_blockwise.residency import shared_arena
+from lightning_blockwise.residency import fd_socket, shared_arena
 from lightning_blockwise.residency.arena import MEMFD_NAME, HostArena
 from lightning_blockwise.residency.shared_arena import claim, shmem_bytes
 
@@ -334,3 +337,174 @@ def test_socket_address_is_abstract_and_per_user() -> None:
     address = shared_arena.socket_address("a base")
     assert address.startswith(f"\0lightning-blockwise/{os.getuid()}/") and len(address.rsplit("/", 1)[1]) == 32
     assert address != shared_arena.socket_address("another base")
+
+
+# NOTE [ Addresses no other user can take ] (fd_socket.py): the tests below need one user; those after them
+# a second one, which only root can become (they skip otherwise).
+
+NOBODY = 65534
+
+
+def _squat(address: str, listening: bool) -> socket.socket:
+    """Bind ``address`` as a squatter would: listening, or bound only (``connect`` is then refused)."""
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(address)
+    if listening:
+        squatter.listen(1)
+    return squatter
+
+
+def test_the_address_cannot_be_computed_from_the_key_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = _key()
+    address = shared_arena.socket_address(key)
+    # The secret lies in a file of the user's own, readable by no one else, in a directory no one else enters.
+    directory = fd_socket.secret_directory()
+    for path, mode in ((directory, 0o700), (directory / "share-secret", 0o600)):
+        info = path.lstat()
+        assert info.st_uid == os.getuid() and info.st_mode & 0o777 == mode, (path, oct(info.st_mode))
+    # Stable for the user (every process of the user meets at it)...
+    assert shared_arena.socket_address(key) == address
+    # ...but not what the key alone gives (the address before the secret, the control), nor what another secret does.
+    assert address.rsplit("/", 1)[1] != hashlib.sha256(key.encode()).hexdigest()[:32]
+    monkeypatch.setitem(fd_socket._SECRETS, os.getuid(), b"another user's guess of the secret")
+    assert shared_arena.socket_address(key) != address
+
+
+def test_a_secret_others_can_read_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "share-secret"
+    assert fd_socket._read_or_make_secret(secret) == fd_socket._read_or_make_secret(secret)  # control: made once
+    secret.chmod(0o644)
+    with pytest.raises(RuntimeError, match=r"others can read it \(mode 644\); remove it"):
+        fd_socket._read_or_make_secret(secret)
+
+
+def test_a_squatted_address_falls_back_within_the_bound(caplog: pytest.LogCaptureFixture) -> None:
+    """Bound and not listening, the address is unreachable: the claim loads its own copy after the bound."""
+    key = _key()
+    with _squat(shared_arena.socket_address(key), listening=False), claim(key) as peer:
+        assert not peer.owner
+        began = time.monotonic()
+        assert peer.attach(pin=False, timeout=WAIT_S, reach_timeout=0.5) is None
+        waited = time.monotonic() - began
+        assert not peer.owner  # it loads a copy of its own and serves none
+    assert 0.5 <= waited < 5.0, waited
+    assert "no process of this user answers" in caplog.text and "no process answers on it" in caplog.text
+    assert shared_arena.REACH_TIMEOUT_S == 10.0
+
+
+def test_attach_or_own_falls_back_to_an_unshared_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = _key()
+    monkeypatch.setattr(shared_arena, "REACH_TIMEOUT_S", 0.2)
+    with _squat(shared_arena.socket_address(key), listening=False):
+        assert shared_arena.attach_or_own(key, pin=False) == (None, None)  # not shared: the caller checks RAM
+
+
+def test_a_slow_owner_is_waited_for_past_the_bound() -> None:
+    """Control: the bound is on reaching an owner, not on its loading; one that answers late still serves."""
+    key = _key()
+    with claim(key) as owner, claim(key) as peer:
+        arena = HostArena([4096], pin=False)
+        arena.storage.copy_(_pattern(4096, seed=3))
+        threading.Timer(0.6, owner.publish, args=(arena, {})).start()
+        attached = peer.attach(pin=False, timeout=WAIT_S, reach_timeout=0.2)
+        assert attached is not None and torch.equal(attached[0].storage, arena.storage)
+
+
+def test_an_owner_counts_its_live_peers(forkserver: ForkServerContext, start: Start) -> None:
+    key = _key()
+    stop = forkserver.Event()
+    with claim(key) as owner:
+        arena = HostArena([4096], pin=False)
+        owner.publish(arena, {})
+        assert owner.peers() == []
+        process, results = start(_attach, key, False, stop)
+        _receive(results)
+        assert owner.peers() == [process.pid]
+        stop.set()
+        _receive(results)
+        process.join(WAIT_S)
+        assert owner.peers() == []
+
+
+def _as_nobody(work: Callable[[], object]) -> object:
+    """Run ``work`` in a forked child that became user 65534; what it returned (or the error it raised)."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(reader)
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            result: object = work()
+        except BaseException as error:
+            result = error
+        with os.fdopen(writer, "wb") as pipe:
+            pickle.dump(result, pipe)
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        result = pickle.load(pipe)
+    os.waitpid(pid, 0)
+    return result
+
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="becoming a second user needs root")
+
+
+@needs_root
+def test_another_user_can_neither_read_the_secret_nor_compute_the_address() -> None:
+    key = _key()
+    address = shared_arena.socket_address(key)
+    path = fd_socket.secret_directory() / "share-secret"
+    assert isinstance(_as_nobody(path.read_bytes), PermissionError)
+    theirs = _as_nobody(lambda: shared_arena.socket_address(key))
+    assert isinstance(theirs, str) and theirs != address and f"/{NOBODY}/" in theirs
+
+
+@needs_root
+@pytest.mark.parametrize("listening", [False, True], ids=["bound", "listening"])
+def test_another_users_squat_falls_back_within_the_bound(listening: bool, caplog: pytest.LogCaptureFixture) -> None:
+    key = _key()
+    address = shared_arena.socket_address(key)  # as seen in /proc/net/unix while an owner of ours lived
+    ready, release = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the squatter
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        squatter = _squat(address, listening)
+        os.write(ready[1], b"1")
+        os.read(release[0], 1)
+        squatter.close()
+        os._exit(0)
+    try:
+        assert os.read(ready[0], 1) == b"1"
+        with claim(key) as peer:
+            assert not peer.owner
+            began = time.monotonic()
+            assert peer.attach(pin=False, timeout=WAIT_S, reach_timeout=0.5) is None and not peer.owner
+            assert time.monotonic() - began < 5.0
+    finally:
+        os.write(release[1], b"1")
+        os.waitpid(pid, 0)
+    held = f"process {pid} of user {NOBODY} holds it" if listening else "no process answers on it"
+    assert held in caplog.text
+
+
+@needs_root
+def test_an_owner_serves_no_other_user() -> None:
+    """The owner's uid check: a process of another user that connects gets no fd (control: one of ours does)."""
+    key = _key()
+    with claim(key) as owner:
+        arena = HostArena([4096], pin=False)
+        owner.publish(arena, {})
+        address = owner.address
+
+        def connect_and_receive() -> object:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(WAIT_S)
+                connection.connect(address)
+                received = fd_socket.receive(connection)
+                return None if received is None else received[0]
+
+        assert _as_nobody(connect_and_receive) is None
+        assert connect_and_receive() == {"sizes": [4096], "meta": {}}
