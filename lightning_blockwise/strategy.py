@@ -367,6 +367,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         read_only = self._host_copy is not None and self._host_copy.arena.read_only
+        if self._host_copy is not None and self._checkpoints.base.has_base(checkpoint.get("state_dict", {})):
+            self._host_copy.prepare_base_write("BlockwiseStrategy")  # NOTE [ One host copy per machine ]
         self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers, read_only)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._checkpoints.resume_rng(checkpoint, self.global_rank, self.world_size)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -55,6 +56,37 @@ class HostCopy:
         # The serving thread keeps the claim, and through it the arena, alive: stop it with the copy.
         if self.serving is not None:
             self.serving.release()
+
+    def prepare_base_write(self, owner: str) -> None:
+        """Make ready to write a checkpoint's frozen base into this copy, or refuse while others read it.
+
+        A copy this process serves to others (NOTE [ One host copy per machine ] in shared_arena.py) has
+        one writer or none: while a peer it served runs, writing would change that peer's weights under
+        it, so this refuses; once none runs, it stops serving, since the copy is about to hold another
+        base than the one late-comers would ask for (they load their own). Call it only for a checkpoint
+        that carries the base; a copy mapped from another process is refused where it is loaded.
+
+        Args:
+            owner: How the error names the caller, e.g. ``"BlockwiseStrategy"``.
+
+        Raises:
+            MisconfigurationException: If processes this one served its copy to still run.
+        """
+        if self.serving is None:
+            return
+        peers = self.serving.peers()
+        if not peers:
+            self.serving.release()  # no new peer from here on; one served meanwhile is counted below
+            peers = self.serving.peers()
+            self.serving = None
+        if peers:
+            raise MisconfigurationException(
+                f"{owner}: this checkpoint carries the frozen base, to be written into the host copy, but this"
+                f" process shares that copy with {len(peers)} other process(es) (pids {peers[:8]}), which would"
+                " then train on this checkpoint's base without knowing it (NOTE [ One host copy per machine ])."
+                " Load it after they finish, or give this process a copy of its own: `load_blockwise(...,"
+                " share=False)` or `BlockwiseStrategy(share_host_copy=False)`."
+            )
 
     def is_bound(self) -> bool:
         """Whether every block still reads from its slab (nothing moved the model since)."""

@@ -6,8 +6,10 @@ NOTE [ One host copy per machine ] in residency/shared_arena.py. Each arm runs t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,12 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from peft import LoraConfig, get_peft_model
 
-from lightning_blockwise import load_blockwise
+from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.loading.files import load_config
 from lightning_blockwise.loading.packing import bind_shared_block
+from lightning_blockwise.loading.policy import resolve_quantization
+from lightning_blockwise.loading.sharing import share_key
+from lightning_blockwise.residency import shared_arena
+from lightning_blockwise.residency.fd_socket import socket_address
 from lightning_blockwise.residency.placement import host_copy_of
-from tests.helpers.models import save_checkpoint
+from tests.helpers.models import CausalLMModule, loader, padded_batches, save_checkpoint, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,3 +98,78 @@ def test_concurrent_jobs_share_a_packed_copy_when_they_opt_in(checkpoint: Path, 
     own_first, own_second = _two_loads(checkpoint, tmp_path / "default", "--pack", "none")
     assert not own_first["serving"] and not own_second["read_only"]
     assert own_second["losses"] == second["losses"]
+
+
+def _lora_module(path: Path, share: bool) -> CausalLMModule:
+    model = load_blockwise(path, compute_dtype=torch.float32, device="cpu", progress=False, share=share)
+    return CausalLMModule(lambda: get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+
+
+def _arena_sha(model: torch.nn.Module) -> str:
+    copy = host_copy_of(model)
+    assert copy is not None
+    return hashlib.sha256(copy.arena.storage.numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")
+def test_an_owner_with_peers_refuses_to_write_the_shared_copy(
+    checkpoint: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`validate(ckpt_path=<full state of another base>)` in an owner is refused while a peer maps its copy.
+
+    Control: once the peer has exited, the same call loads the other base into the copy (the owner stops serving).
+    """
+    other = save_checkpoint("llama", tmp_path_factory.mktemp("other"), seed=1)
+    donor = _lora_module(other, share=False)
+    trainer(BlockwiseStrategy(save_frozen_base=True), max_steps=1).fit(donor, loader(padded_batches(2)))
+    donor.trainer.save_checkpoint(tmp_path / "full.ckpt")
+    donor_sha = _arena_sha(donor.model.get_base_model())
+
+    owner = _lora_module(checkpoint, share=True)
+    base = owner.model.get_base_model()
+    copy = host_copy_of(base)
+    assert copy is not None and copy.serving is not None
+    before = _arena_sha(base)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    hold = tmp_path / "release"
+    command = [sys.executable, "-m", "tests.helpers.share_worker", str(checkpoint), str(tmp_path / "peer.json")]
+    peer = subprocess.Popen([*command, "--hold", str(hold)], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "peer.json").exists():
+            assert peer.poll() is None and time.monotonic() < deadline, "the peer's load failed or hung"
+            time.sleep(0.05)
+        assert json.loads((tmp_path / "peer.json").read_text())["read_only"]
+        assert copy.serving.peers() == [peer.pid]
+        validate = trainer(BlockwiseStrategy(), limit_val_batches=1)
+        refused = rf"shares that copy with 1 other process\(es\) \(pids \[{peer.pid}\]\)"
+        with pytest.raises(MisconfigurationException, match=refused):
+            validate.validate(owner, loader(padded_batches(1)), ckpt_path=tmp_path / "full.ckpt")
+        assert _arena_sha(base) == before and copy.serving is not None
+    finally:
+        hold.touch()
+        assert peer.wait(timeout=60) == 0
+    trainer(BlockwiseStrategy(), limit_val_batches=1).validate(
+        owner, loader(padded_batches(1)), ckpt_path=tmp_path / "full.ckpt"
+    )
+    assert copy.serving is None  # it no longer holds the base its key names
+    assert _arena_sha(base) == donor_sha != before
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")
+def test_a_load_whose_address_is_squatted_loads_its_own_copy(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A squatted address (bound, never answering) costs the bound, not the share timeout: the load is unshared."""
+    monkeypatch.setattr(shared_arena, "REACH_TIMEOUT_S", 0.5)
+    bnb_config, pre_quantized = resolve_quantization(load_config(checkpoint), None, torch.float32, True)
+    key = share_key(checkpoint, 1, bnb_config, torch.float32, pre_quantized)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+        squatter.bind(socket_address(key))
+        began = time.monotonic()
+        model = load_blockwise(checkpoint, compute_dtype=torch.float32, device="cpu", progress=False)
+        assert time.monotonic() - began < 60
+    copy = host_copy_of(model)
+    assert copy is not None and copy.serving is None and not copy.arena.read_only
+    assert "no process of this user answers" in caplog.text
