@@ -17,8 +17,14 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import os
+import re
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 from fsspec.utils import get_protocol
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -52,7 +58,8 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
     Args:
         args: Command-line arguments, a dict or a namespace; ``None`` reads ``sys.argv[1:]``.
-        run: Expect a subcommand (``fit``, ``validate``, ``test``, ``predict``) and run it.
+        run: Expect a subcommand (``fit``, ``validate``, ``test``, ``predict``) and run it. A mistyped option
+            exits with one line that names it (:func:`explain_parse_error`), not the usage.
             With ``False`` the config is given without one and only instantiated, e.g. to
             inspect ``cli.trainer.strategy``.
 
@@ -75,9 +82,91 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
             "prog": "lightning-blockwise",
             "description": DESCRIPTION,
         },
+        parser_class=_BlockwiseParser,
         args=args,
         run=run,
     )
+
+
+#: The Trainer's commands as argparse lists them in the usage line, and the list with ours (dispatched by `main`).
+_TRAINER_COMMANDS = "{" + ",".join(LightningCLI.subcommands()) + "}"
+_ALL_COMMANDS = _TRAINER_COMMANDS[:-1] + f",{PLAN_COMMAND},{EXPORT_COMMAND},{VERSIONS_COMMAND}}}"
+
+
+class _BlockwiseParser(LightningArgumentParser):
+    """Lightning's parser, whose usage line names every command and whose errors are one line, not the usage.
+
+    jsonargparse answers a mistyped option with the whole usage (some 40 lines for ``fit``) and then a nested
+    report of every type the value could have had; the line that says what is wrong comes last. Here it comes
+    alone, as ``--key``: what is wrong, with "did you mean" where a known name is close.
+    """
+
+    @override
+    def format_usage(self) -> str:
+        return super().format_usage().replace(_TRAINER_COMMANDS, _ALL_COMMANDS, 1)
+
+    @override
+    def format_help(self) -> str:
+        return super().format_help().replace(_TRAINER_COMMANDS, _ALL_COMMANDS, 1)
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        # Where the caller asked to catch the error (or jsonargparse's debug mode), jsonargparse's own behaviour.
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        sys.stderr.write(f"error: {explain_parse_error(message, parser)}\n")
+        sys.stderr.write(f"tip: `{parser.prog.replace(' [options]', '')} --help` lists the options.\n")
+        self.exit(2)
+
+
+def explain_parse_error(message: str, parser: Any = None) -> str:
+    """The line of a jsonargparse error ``message`` that says what is wrong, as ``--key: ...``, with "did you mean".
+
+    Args:
+        message: What jsonargparse reports, e.g. ``Parser key "model": ... Option 'lora_rank' is not accepted ...``.
+        parser: The parser that failed, whose option names are suggested for an unrecognized argument.
+
+    Returns:
+        One line; the message unchanged (its lines joined) where it has none of the known shapes.
+    """
+    outer = re.match(r'Parser key "([^"]+)":', message)
+    class_path = re.search(r"Problem with given class_path '([^']+)'", message)
+    unknown = re.search(r"Option '([^']+)' is not accepted", message)
+    if outer and class_path and unknown:
+        key, option, name = outer.group(1), unknown.group(1), class_path.group(1)
+        known = _init_arguments(name)
+        near = difflib.get_close_matches(option, known, n=1)
+        hint = f" Did you mean `{near[0]}`?" if near else ""
+        return (
+            f"`--{key}.init_args.{option}`: `{name.rsplit('.', 1)[-1]}` takes no argument `{option}`.{hint}"
+            f" `--{key}.help {name}` lists the ones it takes."
+        )
+    # A value of the wrong type: the innermost key and what it expected (the union's other members are noise).
+    keys = re.findall(r'Parser key "([^"]+)":\s*\n\s*(.+)', message)
+    if outer and keys:
+        inner, problem = keys[-1]
+        key = outer.group(1) if inner == outer.group(1) else f"{outer.group(1)}.init_args.{inner}"
+        return f"`--{key}`: {problem.strip()}"
+    unrecognized = re.match(r"unrecognized arguments: (\S+)", message)
+    if unrecognized and parser is not None:
+        given = unrecognized.group(1).split("=", 1)[0]
+        near = difflib.get_close_matches(given, [o for o in parser._option_string_actions if o.startswith("--")], n=1)
+        if near:
+            return f"{message.strip()}. Did you mean `{near[0]}`?"
+    return " ".join(line.strip() for line in message.splitlines() if line.strip()).replace(
+        _TRAINER_COMMANDS, _ALL_COMMANDS
+    )
+
+
+def _init_arguments(class_path: str) -> list[str]:
+    """The constructor's argument names of the class at ``class_path``, or none where it does not import."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 #: `ckpt_path` values that the Trainer resolves itself, from its checkpoint callbacks or SLURM, rather than paths.

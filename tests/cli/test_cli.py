@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 import subprocess
 import sys
@@ -204,6 +205,73 @@ def test_missing_ckpt_path_is_refused_before_the_model_is_built(
     # Control arm: the recorder sees a model that is made.
     build_cli(["--config", str(DEMO_CONFIG), *_into(tmp_path)], run=False)
     assert built == ["init"]
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_config_comments_name_files_and_classes_that_exist(config: Path) -> None:
+    """The configs' comments name today's module paths, and no longer say the strategy trains on one device only."""
+    text = config.read_text(encoding="utf-8")
+    for path in re.findall(r"\b((?:lightning_blockwise|benchmarks|data)/[\w/]+\.py)\b", text):
+        assert (ROOT / path).is_file(), f"{config.name} names {path}, which does not exist"
+        # An old path still exists as an alias of the module that moved (lightning_blockwise/_deprecated.py).
+        assert "_deprecated import alias" not in (ROOT / path).read_text(), f"{config.name} names the old {path}"
+    for dotted in re.findall(r"\b(lightning_blockwise(?:\.\w+)+)", text):
+        module, _, name = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), f"{config.name} names {dotted}"
+    assert "exactly one" not in text
+
+
+def test_usage_line_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "usage: lightning-blockwise [-c CONFIG] {fit,validate,test,predict,plan,export,versions} ..." in (
+        capsys.readouterr().out
+    )
+    # Without a command the error names them all too.
+    with pytest.raises(SystemExit):
+        main([])
+    assert "{fit,validate,test,predict,plan,export,versions}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (
+            "--model.init_args.lora_rank=8",
+            "`--model.init_args.lora_rank`: `DemoCausalLM` takes no argument `lora_rank`. Did you mean `lora_r`?",
+        ),
+        ("--data.init_args.batchsize=3", "Did you mean `batch_size`?"),
+        ("--trainer.strategy.init_args.blok_size=2", "`BlockwiseStrategy` takes no argument `blok_size`. Did you"),
+        ("--trainer.max_steps=abc", "`--trainer.max_steps`: Expected a <class 'int'>. Got value: abc"),
+        ("--model.init_args.lora_r=abc", "`--model.init_args.lora_r`: Expected a <class 'int'>"),
+        ("--trainer.max_stepz=1", "unrecognized arguments: --trainer.max_stepz=1. Did you mean `--trainer.max_steps`?"),
+        # Controls: no near name, no suggestion.
+        ("--model.init_args.zzzqqq=1", "`DemoCausalLM` takes no argument `zzzqqq`. `--model.help"),
+        ("--qqqzzz=1", "unrecognized arguments: --qqqzzz=1\n"),
+    ],
+)
+def test_a_bad_option_is_one_line(option: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The line that says what is wrong, not the usage and the union's every member (~60 lines)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(DEMO_CONFIG), option])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "tip:", "usage:", " "))]
+    assert lines[0].startswith("error: ") and expected in err
+    assert lines[1:] == ["tip: `lightning-blockwise fit --help` lists the options."]
+    if "zzz" in option:
+        assert "Did you mean" not in err
+
+
+def test_a_bad_option_keeps_jsonargparse_behaviour_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`exit_on_error=False` (or jsonargparse's debug mode) still raises, for callers that catch it."""
+    from lightning_blockwise.cli import _BlockwiseParser
+
+    parser = _BlockwiseParser(exit_on_error=False)
+    parser.add_argument("--steps", type=int)
+    with pytest.raises(Exception, match="steps"):
+        parser.parse_args(["--steps=abc"])
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
