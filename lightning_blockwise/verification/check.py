@@ -173,6 +173,7 @@ def first_batch(trainer: pl.Trainer) -> Any:
     # NOTE [ Parity check leaves no trace ]: what the throwaway iterator advances is put back.
     generators = {id(g): (g, g.get_state()) for g in _generators(loader.flattened)}
     positions = [(d, d.state_dict()) for d in loader.flattened if _is_stateful(d)]
+    iterators = [(d, {k: vars(d)[k] for k in _ITERATOR_ATTRIBUTES if k in vars(d)}) for d in loader.flattened]
     try:
         batch, _, _ = next(iter(loader))
     except StopIteration:
@@ -186,7 +187,22 @@ def first_batch(trainer: pl.Trainer) -> Any:
             generator.set_state(state)
         for dataloader, position in positions:
             dataloader.load_state_dict(position)
+        # NOTE [ The loop's iterator stays the loader's ]
+        for dataloader, attributes in iterators:
+            vars(dataloader).update(attributes)
     return batch
+
+
+# NOTE [ The loop's iterator stays the loader's ]
+# A `StatefulDataLoader` reports its position through the iterator it made last (`_iterator`),
+# which is the fit loop's when the check runs (Lightning makes it in `setup_data`). The throwaway
+# iterator replaces it, and `load_state_dict` then forgets it (`_iterator = None`, the position
+# kept as `next_iter_state`): every `state_dict()` of that epoch, i.e. every mid-epoch checkpoint,
+# then made a fresh iterator from the saved position and recorded position 0 however far the loop
+# had gone, so a resume re-trained the epoch's first batches and skipped the rest. So the loader's
+# own attributes that name its iterator are put back as they were, the loop's iterator with them
+# (tests/callbacks/test_parity.py, a step checkpoint of the demo's data module, with a control).
+_ITERATOR_ATTRIBUTES = ("_iterator", "_initial_iter_for_state_dict", "next_iter_state")
 
 
 def _generators(dataloaders: list[Any]) -> list[torch.Generator]:

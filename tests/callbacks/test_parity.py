@@ -323,3 +323,40 @@ def test_check_leaves_the_instruction_data_module_alone() -> None:
     checked = run([check])
     assert check.result is not None and check.result.passed
     assert_equal_runs(checked, run([]))
+
+
+def _demo_step_checkpoint(root: Path, callbacks: list[Callback]) -> dict[str, Any]:
+    """The demo's module and data module (configs/demo.yaml, smaller batches), a checkpoint at step 3 of epoch 0."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_blockwise.demos.tiny import DemoCausalLM
+    from lightning_blockwise.recipes.data import InstructionDataModule
+
+    pl.seed_everything(0, verbose=False)
+    module = DemoCausalLM(vocab_size=259, num_hidden_layers=2, lora_dropout=0.05)
+    data = InstructionDataModule(path="data/instructions.jsonl", max_length=128, batch_size=8)
+    save = ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    fitted = trainer(BlockwiseStrategy(block_size=1), max_steps=3, max_epochs=3, accumulate_grad_batches=1,
+                     enable_checkpointing=True, callbacks=[*callbacks, save], default_root_dir=root)  # fmt: skip
+    fitted.fit(module, datamodule=data)
+    return torch.load(root / "step=3.ckpt", weights_only=False)
+
+
+def _loader_position(checkpoint: dict[str, Any]) -> int:
+    """Batches the training loader had yielded when ``checkpoint`` was written."""
+    (state,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    return state["_num_yielded"]
+
+
+def test_a_step_checkpoint_records_the_real_loader_position(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ The loop's iterator stays the loader's ]: with ParityCheck, a mid-epoch checkpoint of epoch 0 records
+    the batches the loop drew (3), as without the check, and the same data state.
+
+    Control: without putting the loader's iterator back after the check's throwaway one, the position is 0.
+    """
+    checked = _demo_step_checkpoint(tmp_path / "checked", [ParityCheck()])
+    unchecked = _demo_step_checkpoint(tmp_path / "unchecked", [])
+    assert _loader_position(checked) == _loader_position(unchecked) == 3
+    assert checked["loops"]["fit_loop"]["state_dict"] == unchecked["loops"]["fit_loop"]["state_dict"]
+    monkeypatch.setattr(verification_check, "_ITERATOR_ATTRIBUTES", ())
+    assert _loader_position(_demo_step_checkpoint(tmp_path / "control", [ParityCheck()])) == 0
