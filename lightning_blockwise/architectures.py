@@ -172,7 +172,8 @@ def check_trainable(stack: DecoderStack) -> None:
 # training drifts from the first optimizer step (tests/test_moe.py shows it). Returning the
 # logits as differentiable outputs of the rematerialized layer would fix it; until then it is
 # refused here, from the config, at fit start. A per-call `model(..., output_router_logits=True)`
-# is not seen here.
+# is not seen here; it is refused at the first backward instead (the router's hook sees aliases that
+# refuse a gradient: NOTE [ Forward hooks inside a rematerialized layer ] in replay/hooks.py).
 def _refuse_router_logits(stack: DecoderStack) -> None:
     if getattr(stack.model.config, "output_router_logits", False):
         raise MisconfigurationException(

@@ -68,7 +68,9 @@ class _ForwardCounts(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for index, layer in enumerate(pl_module.model.get_decoder().layers):
-            layer.self_attn.register_forward_hook(lambda *args, index=index: self._count(index))
+            # Counted in the module's forward: a hook fires once per step (replay/hooks.py), a forward per run.
+            attn, forward = layer.self_attn, layer.self_attn.forward
+            attn.forward = lambda *a, index=index, forward=forward, **k: (self._count(index), forward(*a, **k))[1]
 
     def _count(self, index: int) -> None:
         self.counts[index] += 1

@@ -23,6 +23,7 @@ import lightning_blockwise.architectures
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.replay import hooks as replay_hooks
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import NUM_LAYERS, CausalLMModule, assert_equal_runs, fit, moe_config, runs_differ
@@ -103,7 +104,8 @@ def test_expert_lora_through_target_parameters_parity_and_control(
 def test_router_logits_are_refused_because_training_would_differ(
     moe_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`output_router_logits=True` is refused at fit start; let through, the losses agree until the first step only.
+    """`output_router_logits=True` is refused at fit start, or else at the first backward; let through, the losses
+    agree until the first step only.
 
     NOTE [ Router logits ] in architectures.py.
     """
@@ -113,6 +115,11 @@ def test_router_logits_are_refused_because_training_would_differ(
 
     resident = fit(CausalLMModule(build), "auto")
     monkeypatch.setattr(lightning_blockwise.architectures, "_refuse_router_logits", lambda stack: None)
+    # Past the config check (as a per-call `output_router_logits=True` is), the first backward refuses it: the logits
+    # are recorded by a hook on the router (NOTE [ Forward hooks inside a rematerialized layer ] in replay/hooks.py).
+    with pytest.raises(MisconfigurationException, match=r"forward hook on `layers\.\d+\.mlp\.gate` received"):
+        fit(CausalLMModule(build), BlockwiseStrategy(block_size=2))
+    monkeypatch.setattr(replay_hooks, "_refusing", lambda value, name, anchor: value)
     blockwise = fit(CausalLMModule(build), BlockwiseStrategy(block_size=2))
     # The first optimizer step's two losses are equal (forward values), the gradients are not: no aux-loss gradient.
     assert [torch.equal(a, b) for a, b in zip(resident.losses[:2], blockwise.losses[:2], strict=True)] == [True, True]

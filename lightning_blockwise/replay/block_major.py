@@ -245,7 +245,7 @@ class Window:
             output = _WindowTop.apply(self, k, remat, call, hidden, remat.anchor)
         else:
             with torch.no_grad():
-                output = remat.run(hidden, call)
+                output = remat.run_once(hidden, call)
         if not rng.unchanged():
             raise WindowError(_draws_message(f"decoder layer {layer} of micro-batch {k}"))
         self._saved[k][layer] = _Saved(hidden, hidden._version, call)
@@ -336,7 +336,7 @@ class Window:
                     )
                 x = saved.hidden.detach().requires_grad_(layer > 0)
                 with torch.enable_grad(), saved.call.autocast_context():
-                    output = remat.run(x, saved.call)
+                    output = remat.rerun(x, saved.call)
                 inputs = [x, *params] if layer > 0 else params
                 if inputs:
                     torch.autograd.backward(output, grads[position], inputs=inputs)
@@ -421,7 +421,7 @@ class _WindowTop(torch.autograd.Function):
     ) -> Tensor:
         ctx.window, ctx.k = window, k
         ctx.set_materialize_grads(False)
-        return remat.run(hidden, call)
+        return remat.run_once(hidden, call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor | None) -> tuple[None, ...]:

@@ -9,10 +9,12 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.hooks import hooks_once, hooks_silenced
 from lightning_blockwise.replay.kept import KeptFunction
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.activations import ActivationOffload
@@ -108,6 +110,19 @@ class RematLayer:
             )
         return output
 
+    def run_once(self, hidden: Tensor, call: LayerCall) -> Tensor:
+        """:meth:`run` as the no-grad forward: the hooks inside the layer fire here, on aliases that refuse a gradient.
+
+        See NOTE [ Forward hooks inside a rematerialized layer ] in hooks.py.
+        """
+        with hooks_once(self.layer, self.index, self.anchor):
+            return self.run(hidden, call)
+
+    def rerun(self, hidden: Tensor, call: LayerCall) -> Tensor:
+        """:meth:`run` as the recompute: the hooks inside the layer fired in the forward and stay silent."""
+        with hooks_silenced(self.layer):
+            return self.run(hidden, call)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         """Run the layer as its own forward would be called: hidden states first, then its arguments."""
         if args:
@@ -145,9 +160,11 @@ class _RematFunction(torch.autograd.Function):
         anchor: Tensor,
     ) -> Tensor:
         remat.residency.acquire(remat.index, Pass.FORWARD)
-        output = remat.run(hidden, call)
+        output = remat.run_once(hidden, call)
         remat.residency.release(remat.index, Pass.FORWARD)
         ctx.remat, ctx.call, ctx.rng, ctx.params = remat, call, rng, params
+        # The layer below, when it is rematerialized too (NOTE [ Gradients that bypass the next layer ]).
+        ctx.below = hidden.grad_fn if isinstance(hidden.grad_fn, _RematFunction._backward_cls) else None
         # The offload the forward used, even if the strategy switches it before the backward.
         ctx.offload = remat.offload
         if ctx.offload is None:
@@ -159,6 +176,7 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         remat: RematLayer = ctx.remat
+        _refuse_a_bypass(ctx, grad_output)
         if ctx.offload is None:
             (hidden,) = ctx.saved_tensors
         else:
@@ -171,7 +189,7 @@ class _RematFunction(torch.autograd.Function):
         with ctx.rng.replay():
             x = hidden.detach().requires_grad_(wants_input_grad)
             with torch.enable_grad(), ctx.call.autocast_context():
-                output = remat.run(x, ctx.call)
+                output = remat.rerun(x, ctx.call)
         inputs = [x, *params] if wants_input_grad else params
         # Into `.grad`, in resident training's order (NOTE [ Exact rematerialization ]).
         torch.autograd.backward(output, grad_output, inputs=inputs)
@@ -179,7 +197,38 @@ class _RematFunction(torch.autograd.Function):
         del output
         remat.residency.release(remat.index, Pass.BACKWARD)
         grad_input = x.grad if wants_input_grad else None
+        if ctx.below is not None:
+            # Kept by reference: the layer below checks that this very tensor is all it receives.
+            ctx.below.handed = grad_input
+            ctx.below = None
         return (None, None, None, None, grad_input, None)
+
+
+# NOTE [ Gradients that bypass the next layer ]
+# Under resident training the gradient of a decoder layer's output is summed in one buffer from
+# everything that read it: the next layer's modules (its norm, its residual add) and anything else,
+# e.g. a loss on `output_hidden_states` (transformers records them with a forward hook on each layer)
+# or on what a user's hook on the layer kept. Here the next layer's contributions are summed inside its
+# recompute first, and the other ones are added to that sum afterwards: another order of the same
+# floating-point sum, so the adapter gradients differ in the last bits (issue 25). The recompute cannot
+# take the other terms into its own sum, since they arrive in the outer backward's buffer, which only
+# the layer below sees. So the layer below checks that what it receives is the very tensor the next
+# layer handed down, and refuses anything else at the first backward; a hidden state that is only
+# observed (logged, detached) adds nothing and passes.
+def _refuse_a_bypass(ctx: Any, grad_output: Tensor) -> None:
+    handed = getattr(ctx, "handed", None)
+    ctx.handed = None
+    if handed is None or grad_output is handed:
+        return
+    index = ctx.remat.index
+    raise MisconfigurationException(
+        f"BlockwiseStrategy: the loss depends on the output of decoder layer {index} other than through decoder layer"
+        f" {index + 1} (e.g. `output_hidden_states=True` with intermediate hidden states in the loss, or a forward hook"
+        f" on the layer that keeps its output for a loss term). A rematerialized layer sums that gradient in another"
+        " order than resident training, so the adapter gradients would differ in the last bits (NOTE [ Gradients"
+        " that bypass the next layer ]). Leave intermediate hidden states out of the loss (detach them if they are"
+        " metrics; the last one, after the final norm, is fine), or train this module with `strategy='auto'`."
+    )
 
 
 def install(

@@ -122,9 +122,18 @@ class _CountRuns(Callback):
 
             return hook
 
+        def counted(forward: Any, count: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                count()
+                return forward(*args, **kwargs)
+
+            return run
+
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         for index, layer in enumerate(module.model.get_decoder().layers):
-            layer.input_layernorm.register_forward_hook(on_norm(index))
+            # Counted in the module's forward, not by a hook: hooks fire once per step (replay/hooks.py).
+            norm = layer.input_layernorm
+            norm.forward = counted(norm.forward, on_norm(index))
             layer.register_forward_pre_hook(pre(index))
             layer.register_forward_hook(post(index))
 

@@ -1,0 +1,163 @@
+"""The user's forward hooks inside a rematerialized decoder layer: once per step, and never a silent constant.
+
+A rematerialized layer runs twice per step, without autograd in the forward and with it in the
+recompute; a forward hook on a module inside it would fire in both, seeing tensors without a graph
+first (NOTE [ Forward hooks inside a rematerialized layer ]).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
+
+# NOTE [ Forward hooks inside a rematerialized layer ]
+# Under `strategy="auto"` a forward hook (or pre-hook) on a module inside a decoder layer (a probe,
+# an auxiliary loss, a regularizer, transformers' recorder of `output_attentions` or of router
+# logits) fires once per step and sees tensors that carry the graph to the adapters. Under the
+# strategy the layer's modules run in its no-grad forward and again in the recompute in the
+# backward (remat.py): the hook fired twice, and what it kept from the forward had no graph, so a
+# loss term built from it was a constant whose gradient was lost without an error. So:
+#
+# - In the forward, each such hook fires as in resident training, once, on aliases of the module's
+#   inputs and outputs that refuse a gradient (`_NoGradient`): a hook that observes them (logs,
+#   counts, detaches, keeps them for a metric) works as before; a loss built from them raises at the
+#   first backward, naming the module and the fix, since its gradient cannot be had without keeping
+#   the layer's graph. A hook that returns a replacement (it changes what the layer computes) is
+#   refused at once: the recompute would have to call it again, a second firing.
+# - In the recompute the hooks are silenced, the process-wide ones (`register_module_forward_hook`)
+#   included, so nothing fires a second time.
+#
+# The decoder layer's own hooks already fire once: `RematLayer` is the layer's `forward`, called by
+# the module with its hooks, and the recompute calls the class's `forward` directly. Their output is
+# differentiable; a loss on it (`output_hidden_states`) is NOTE [ Gradients that bypass the next layer ]
+# in remat.py.
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+
+
+@contextmanager
+def hooks_once(layer: nn.Module, index: int, anchor: Tensor) -> Iterator[None]:
+    """Around a layer's no-grad forward: the hooks inside it see aliases that refuse a gradient, and may not replace.
+
+    Args:
+        layer: The decoder layer.
+        index: Its position in the decoder stack (for messages).
+        anchor: A leaf that requires grad, so that the aliases do too inside the no-grad forward.
+    """
+    names = _inner_names(layer, index)
+
+    def wrap(dict_name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+        pre = dict_name.endswith("pre_hooks")
+
+        def once(module: nn.Module, args: Any, *rest: Any) -> None:
+            name = names.get(id(module), f"a module of decoder layer {index}")
+            if pre:
+                result = hook(module, _refusing(args, name, anchor), *rest)
+            else:
+                *kwargs, output = rest
+                result = hook(module, _refusing(args, name, anchor), *kwargs, _refusing(output, name, anchor))
+            if result is not None:
+                raise MisconfigurationException(
+                    f"BlockwiseStrategy: a forward {'pre-' if pre else ''}hook on `{name}` returned a replacement"
+                    f" {'input' if pre else 'output'}, which changes what the layer computes. A rematerialized layer"
+                    " would have to call it again in the recompute, a second time per step (NOTE [ Forward hooks"
+                    " inside a rematerialized layer ]). Make the change inside the module (or with a PEFT adapter),"
+                    " or train with `strategy='auto'`."
+                )
+
+        return once
+
+    with _hooks_replaced(layer, wrap):
+        yield
+
+
+@contextmanager
+def hooks_silenced(layer: nn.Module) -> Iterator[None]:
+    """Around a layer's recompute: the forward hooks inside it (and process-wide ones) do not fire again."""
+    with _hooks_replaced(layer, None):
+        yield
+
+
+class _NoGradient(torch.autograd.Function):
+    """What a hook inside a rematerialized layer saw in the no-grad forward: a gradient reaching it is refused."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str, value: Tensor, anchor: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.name = name
+        ctx.set_materialize_grads(False)
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[None, ...]:
+        if grad is not None:
+            raise MisconfigurationException(
+                f"BlockwiseStrategy: the loss depends on a tensor that a forward hook on `{ctx.name}` received."
+                " Rematerialized layers run their modules without autograd in the forward (the recompute comes in"
+                " the backward), so that term's gradient would be lost, unlike resident training (NOTE [ Forward"
+                " hooks inside a rematerialized layer ]). Detach what the hook keeps if it is a metric, build the"
+                " term from the decoder's output, or train this module with `strategy='auto'`."
+            )
+        return (None, None, None)
+
+
+def _refusing(value: Any, name: str, anchor: Tensor) -> Any:
+    """``value`` with its floating-point tensors (one level into tuples and lists) behind :class:`_NoGradient`."""
+    if isinstance(value, Tensor):
+        if not value.is_floating_point():
+            return value
+        with torch.enable_grad():
+            return _NoGradient.apply(name, value, anchor)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_refusing(v, name, anchor) for v in value)
+    return value
+
+
+def _inner_names(layer: nn.Module, index: int) -> dict[int, str]:
+    return {id(m): f"layers.{index}.{name}" for name, m in layer.named_modules() if name}
+
+
+@contextmanager
+def _hooks_replaced(
+    layer: nn.Module, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None
+) -> Iterator[None]:
+    """Replace the forward-hook dicts of ``layer``'s inner modules and the global ones; ``wrap=None`` empties them.
+
+    Hook ids are kept, so torch's per-id flags (``with_kwargs``, ``always_call``) still apply.
+    """
+    saved: list[tuple[Any, str, OrderedDict[int, Any]]] = []
+    owners: list[Any] = [m for name, m in layer.named_modules() if name]
+    try:
+        for owner in owners:
+            for dict_name in _HOOK_DICTS:
+                hooks = getattr(owner, dict_name)
+                if hooks:
+                    saved.append((owner, dict_name, hooks))
+                    setattr(owner, dict_name, _replaced(hooks, dict_name, wrap))
+        for dict_name in _GLOBAL_HOOK_DICTS:
+            hooks = getattr(torch_module, dict_name)
+            if hooks:
+                saved.append((torch_module, dict_name, hooks))
+                setattr(torch_module, dict_name, _replaced(hooks, dict_name, wrap))
+        yield
+    finally:
+        for owner, dict_name, hooks in reversed(saved):
+            setattr(owner, dict_name, hooks)
+
+
+def _replaced(
+    hooks: OrderedDict[int, Any], dict_name: str, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None
+) -> OrderedDict[int, Any]:
+    if wrap is None:
+        return OrderedDict()
+    return OrderedDict((hook_id, wrap(dict_name, hook)) for hook_id, hook in hooks.items())
+
+
+__all__ = ["hooks_once", "hooks_silenced"]
