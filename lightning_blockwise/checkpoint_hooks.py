@@ -166,6 +166,15 @@ class CheckpointHooks:
             rank: This process's global rank: with a checkpoint of as many ranks, it gets its own states back.
             world_size: The number of processes now.
         """
+        if CHECKPOINT_KEY not in checkpoint:
+            rank_zero_warn(
+                f"{self.owner}: this checkpoint was not written by {self.owner} (it has no `{CHECKPOINT_KEY}` entry:"
+                " `strategy='auto'` or another strategy wrote it), so it holds no random-number states. The resumed"
+                " run continues from its weights, optimizer and loops, but its random numbers (dropout masks, a"
+                " shuffle drawn from the global generator) are not those of the run that wrote it: the resume is not"
+                " exact. For an exact resume, resume under the strategy that wrote the checkpoint (and checkpoint"
+                f" under {self.owner} from now on)."
+            )
         meta = checkpoint.get(CHECKPOINT_KEY) or {}
         per_rank = meta.get("rng_per_rank")
         self._rng_to_restore = meta.get("rng")

@@ -373,3 +373,23 @@ def test_resume_at_a_step_checkpoint_that_ends_an_epoch_is_exact(
     assert_equal_runs(_tail(whole, 4), resumed)
     monkeypatch.setattr(CheckpointHooks, "restart_epoch", staticmethod(lambda fit_loop: None))
     assert runs_differ(_tail(whole, 4), _stepped_run(tmp_path / "third", ckpt_path=checkpoint))
+
+
+def _short_run(strategy: Any, root: Path, max_steps: int, ckpt_path: Path | None = None) -> None:
+    pl.seed_everything(0, verbose=False)
+    module = CausalLMModule(lambda: build_model("llama", lora_dropout=0.1), in_configure_model=True)
+    _checkpointing_trainer(strategy, root, max_steps=max_steps).fit(module, _shuffled(), ckpt_path=ckpt_path)
+
+
+def test_resuming_a_checkpoint_of_another_strategy_warns(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """A `strategy="auto"` checkpoint resumed under the strategy holds no RNG states: the resume is not exact, said.
+
+    Control: a checkpoint the strategy wrote resumes without that warning.
+    """
+    _short_run("auto", tmp_path / "auto", 1)
+    with pytest.warns(UserWarning, match=r"not written by BlockwiseStrategy .*the resume is not exact"):
+        _short_run(BlockwiseStrategy(), tmp_path / "resumed", 2, ckpt_path=tmp_path / "auto" / "step=1.ckpt")
+    _short_run(BlockwiseStrategy(), tmp_path / "blockwise", 1)
+    recwarn.clear()
+    _short_run(BlockwiseStrategy(), tmp_path / "again", 2, ckpt_path=tmp_path / "blockwise" / "step=1.ckpt")
+    assert not [w for w in recwarn if "not written by BlockwiseStrategy" in str(w.message)]

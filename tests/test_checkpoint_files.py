@@ -1,0 +1,97 @@
+"""Writing full-state checkpoint files: no temporary file left by a killed writer, a full disk said as such.
+
+NOTE [ Temporary checkpoint files ] in checkpointing.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_blockwise import checkpointing
+from lightning_blockwise.checkpointing import remove_stale_temporaries, save_unbuffered
+
+# A writer killed halfway through its temporary file, as SIGKILL or the OOM killer would.
+_KILLED_WRITER = """
+import os, signal, sys, torch
+from pathlib import Path
+from lightning_blockwise.checkpointing import save_unbuffered
+
+def half_then_die(obj, name):
+    with open(name, "wb") as f:
+        f.write(b"PK" + bytes(1 << 20))
+        f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = half_then_die
+save_unbuffered({"x": 1}, Path(sys.argv[1]))
+"""
+
+
+def _killed_write(path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path)], cwd=Path(__file__).parents[1])
+    assert done.returncode == -signal.SIGKILL
+
+
+def test_a_killed_writers_temporary_file_is_removed_at_the_next_save(tmp_path: Path) -> None:
+    """Control: the killed write does leave its temporary file (as large as what it wrote) until the next save."""
+    _killed_write(tmp_path / "step=4.ckpt")
+    (left,) = tmp_path.glob(".step=4.ckpt.*.tmp")
+    assert left.stat().st_size > 1 << 20 and not (tmp_path / "step=4.ckpt").exists()
+    save_unbuffered({"y": torch.ones(2)}, tmp_path / "step=8.ckpt")
+    assert not left.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=8.ckpt"]
+    assert torch.equal(torch.load(tmp_path / "step=8.ckpt")["y"], torch.ones(2))
+
+
+def test_only_dead_writers_of_this_host_are_cleaned(tmp_path: Path) -> None:
+    """A live writer's file, another host's, and files named otherwise are left alone."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    host = checkpointing._host()
+    names = {
+        "dead": f".a.ckpt.{host}-{dead_pid}.abc_123.tmp",
+        "live": f".a.ckpt.{host}-{os.getpid()}.abc_123.tmp",
+        "other host": f".a.ckpt.otherhost-{dead_pid}.abc_123.tmp",
+        "not ours": ".a.ckpt.x1y2z3.tmp",
+        "user file": "notes.tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_stale_temporaries(tmp_path) == [tmp_path / names["dead"]]
+    assert {p.name for p in tmp_path.iterdir()} == set(names.values()) - {names["dead"]}
+
+
+def _failing_save(message: str) -> Any:
+    def save(obj: Any, name: str) -> None:
+        Path(name).write_bytes(b"PK partial")
+        raise RuntimeError(message)
+
+    return save
+
+
+def test_a_full_disk_names_the_path_and_says_no_space_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's writer says only `basic_ios::clear: iostream error`; the error names the file and the full disk."""
+    monkeypatch.setattr(torch, "save", _failing_save("basic_ios::clear: iostream error"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    target = tmp_path / "step=4.ckpt"
+    with pytest.raises(OSError, match=r"No space left .* checkpoint .*step=4\.ckpt \(0\.00 GB free\)") as raised:
+        save_unbuffered({"x": 1}, target)
+    assert raised.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == [], "the partial temporary file is removed"
+
+
+def test_control_another_write_error_is_not_called_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "save", _failing_save("basic_ios::clear: iostream error"))
+    with pytest.raises(OSError, match=r"Could not write the checkpoint .*step=4\.ckpt: basic_ios") as raised:
+        save_unbuffered({"x": 1}, tmp_path / "step=4.ckpt")
+    assert "No space" not in str(raised.value)
