@@ -81,7 +81,12 @@ def _export_parser() -> argparse.ArgumentParser:
         "adapter", type=Path, help="A PEFT adapter directory, or a .ckpt saved by a CausalLMFineTune run."
     )
     parser.add_argument("base", type=Path, help="The local checkpoint directory the adapter was trained on.")
-    parser.add_argument("out", type=Path, help="The directory to write (refused if it holds files, see --overwrite).")
+    parser.add_argument(
+        "out",
+        type=Path,
+        help="The directory to write: not an input, nor one that holds or lies inside one; refused if it holds"
+        " files (see --overwrite).",
+    )
     parser.add_argument(
         "--merge",
         choices=MERGE_CHOICES,
@@ -114,7 +119,11 @@ def _export_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SHARD_SIZE,
         help=f"The cap on each safetensors shard, e.g. 5GB or 500MiB (default: {DEFAULT_MAX_SHARD_SIZE}).",
     )
-    parser.add_argument("--overwrite", action="store_true", help="Replace what OUT holds (atomically).")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a previous export at OUT (atomically): an adapter, or a merged model; never other files.",
+    )
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser
 

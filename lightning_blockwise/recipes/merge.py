@@ -69,7 +69,8 @@ def export(
         adapter: A PEFT adapter directory, or a ``.ckpt`` of ``CausalLMFineTune``.
         base: The local checkpoint the adapter was trained on (safetensors; unquantized, or NF4 as saved
             by bitsandbytes).
-        target: The directory to write; refused if it holds files unless ``overwrite``.
+        target: The directory to write; refused if it is, contains or lies inside ``adapter`` or ``base``, or
+            holds files, unless ``overwrite`` and they are a previous export's.
         merge: ``"none"``: the PEFT adapter; ``"bf16"`` / ``"fp32"``: a dense model, dequant(NF4) + delta
             cast to that dtype; ``"nf4"``: dequant(NF4) + delta re-quantized to NF4 as PEFT's ``merge_and_unload``
             does, weights without an adapter kept as trained.
@@ -80,22 +81,22 @@ def export(
         compute_dtype: The dtype training loaded the base in (``CausalLMFineTune(compute_dtype=...)``), which
             decides the NF4 bytes; ``None``: the checkpoint's hyperparameter, else ``"bfloat16"``.
         max_shard_size: The cap on each output shard (``"5GB"``, ``"500MiB"``, or bytes).
-        overwrite: Replace what ``target`` holds (atomically).
+        overwrite: Replace the previous export ``target`` holds (atomically); never anything else.
         progress: Show a progress bar over the bytes written.
 
     Returns:
         ``target``.
 
     Raises:
-        MisconfigurationException: If an argument is out of range, ``target`` holds files without
-            ``overwrite``, the adapter or base is missing, incomplete or mismatched, the adapter uses a
-            setting a merge does not support, or the disk lacks room for the output.
+        MisconfigurationException: If an argument is out of range, ``target`` overlaps an input or holds files
+            without ``overwrite`` or other than a previous export, the adapter or base is missing, incomplete or
+            mismatched, the adapter uses a setting a merge does not support, or the disk lacks room for the output.
     """
     target = Path(target)
     mode = _check_arguments(merge, merge_into_original, compute_dtype)
     shard_cap = _shard_cap(max_shard_size)
     torch_device = _device(device)
-    check_export_target(target, overwrite, _OWNER, overwrite_hint="`--overwrite`")
+    check_export_target(target, overwrite, _OWNER, overwrite_hint="`--overwrite`", inputs=(adapter, base))
     with open_adapter(adapter) as trained:
         if mode != "none":
             trained.check_mergeable()

@@ -83,3 +83,48 @@ def test_export_help_describes_the_modes(capsys: pytest.CaptureFixture[str]) -> 
         "--max-shard-size",
     ):
         assert phrase in text
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_never_deletes_an_input_or_what_is_not_an_export(
+    checkpoints: dict[str, Path], adapter: Path, tmp_path: Path
+) -> None:
+    """`--overwrite` on the base, a directory holding the inputs, one inside the base, or unrelated files: refused.
+
+    Control: `--overwrite` on a previous export (a merged model, then an adapter) replaces it.
+    """
+    # A run directory that holds the adapter, the base and a file of the user's.
+    run = tmp_path / "run"
+    base = run / "base"
+    base.mkdir(parents=True)
+    for file in checkpoints["llama"].iterdir():
+        (base / file.name).write_bytes(file.read_bytes())
+    (run / "adapter").mkdir()
+    for file in adapter.iterdir():
+        (run / "adapter" / file.name).write_bytes(file.read_bytes())
+    (run / "notes.txt").write_text("mine")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine too")
+    before = {"run": _tree(run), "other": _tree(other)}
+    cases = {
+        base: "is the input",
+        run: "contains the input",
+        base / "merged": "lies inside the input",
+        other: r"holds files that are not a previous export \(notes.txt\)",
+    }
+    for out, message in cases.items():
+        with pytest.raises(SystemExit, match=message):
+            main(["export", str(run / "adapter"), str(base), str(out), "--merge", "bf16", "--overwrite", "--quiet"])
+    assert {"run": _tree(run), "other": _tree(other)} == before  # nothing deleted, nothing written
+
+    out = tmp_path / "merged"
+    for merge in ("bf16", "fp32"):
+        main(["export", str(run / "adapter"), str(base), str(out), "--merge", merge, "--overwrite", "--quiet"])
+        assert json.loads((out / "config.json").read_text())[CONFIG_KEY]["merge"] == merge
+    main(["export", str(run / "adapter"), str(base), str(out), "--overwrite", "--quiet"])  # a model, then an adapter
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes import leftovers
+from lightning_blockwise.recipes.export import check_export_target, export_adapter, previous_export
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from tests.helpers.models import build_model, trainer
 
@@ -74,6 +78,35 @@ def test_non_empty_target_is_refused_before_the_model_loads(checkpoints: dict[st
     with pytest.raises(MisconfigurationException, match="already holds files"):
         trainer("blockwise", max_steps=1).fit(module, [])
     assert module.model is None  # refused before `configure_model` loaded anything
-    check_export_target(target, overwrite=True, owner="test")  # asked to overwrite: accepted
+    # Asked to overwrite: only a previous export is replaced, and `keep.txt` is not one.
+    with pytest.raises(MisconfigurationException, match=r"holds files that are not a previous export \(keep.txt\)"):
+        check_export_target(target, overwrite=True, owner="test")
     with pytest.raises(MisconfigurationException, match="is a file"):
         check_export_target(target / "keep.txt", overwrite=True, owner="test")
+
+
+def test_previous_exports_are_recognized_by_their_files(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    adapter = export_adapter(_adapter(0), tmp_path / "adapter")
+    assert previous_export(adapter) == "adapter"
+    assert previous_export(checkpoints["llama"]) is None  # a base checkpoint: config.json without the merge record
+    (adapter / "notes.txt").write_text("mine")
+    assert previous_export(adapter) is None  # control: one file of someone else's and it is not an export
+    (adapter / "notes.txt").unlink()
+    (adapter / "sub").mkdir()
+    assert previous_export(adapter) is None
+
+
+def test_a_killed_exports_staging_is_cleaned_at_the_next_start(tmp_path: Path) -> None:
+    """NOTE [ Cleaning what is ours ]: a dead process's staging goes; a running one's stays (control)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = leftovers._host()
+    stale = tmp_path / f".adapter.{host}-{dead.pid}.abc123.partial"
+    retired = tmp_path / f".adapter.{host}-{dead.pid}.def456.old"
+    live = tmp_path / f".adapter.{host}-{os.getpid()}.ghi789.partial"
+    elsewhere = tmp_path / f".adapter.another-host-{dead.pid}.jkl012.partial"
+    for directory in (stale, retired, live, elsewhere):
+        directory.mkdir()
+        (directory / ADAPTER).write_bytes(b"half an adapter")
+    check_export_target(tmp_path / "adapter", overwrite=False, owner="test")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name])
