@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from transformers import PreTrainedTokenizerBase
 
@@ -134,12 +134,25 @@ class TemplateFormat(ChatFormat):
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
             )
+        except TemplateSyntaxError as error:
+            raise MisconfigurationException(
+                f"InstructionDataModule: {self.name} is not a valid Jinja template: line {error.lineno}:"
+                f" {str(error).rstrip('.')}."
+                " Fix the template's syntax, or choose another `chat_template` ('auto', 'alpaca', or a template)."
+            ) from None
         except TemplateError as error:
-            # A template may raise on its own (`raise_exception`), e.g. for roles out of order.
+            if type(error) is not TemplateError:
+                # A subclass is Jinja's own (an undefined name, a bad filter call): the template is at fault.
+                raise MisconfigurationException(
+                    f"InstructionDataModule: {self.name} failed while rendering a conversation"
+                    f" ({type(error).__name__}: {str(error).rstrip('.')}). Fix the template, or choose another"
+                    " `chat_template`."
+                ) from None
+            # The template refused on its own (`raise_exception`, a plain `TemplateError`), e.g. roles out of order.
             roles = [message["role"] for message in messages]
             raise MisconfigurationException(
                 f"InstructionDataModule: {self.name} refused the conversation prefix with roles"
-                f" {roles}: {error}. Fix the record's roles, or choose another `chat_template`."
+                f" {roles}: {str(error).rstrip('.')}. Fix the record's roles, or choose another `chat_template`."
             ) from None
 
 

@@ -46,6 +46,9 @@ CONVERSATION = [
 ]
 
 
+CHAT_RECORD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
 def _tokenizer(template: str | None = None) -> PreTrainedTokenizerFast:
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
@@ -173,6 +176,28 @@ def test_alpaca_renders_conversations_turn_by_turn() -> None:
     record = {"instruction": "Hi there", "output": "Hello!"}
     conversation = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]}
     assert encode(record, tokenizer, 4096, chat) == encode(conversation, tokenizer, 4096, chat)
+
+
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        ("{% for m in messages %}{{ m.content }", r"is not a valid Jinja template: line 1: unexpected '}'\. Fix the"),
+        ("{% for m in messages %}{{ m.content | nosuch }}{% endfor %}", r"not a valid Jinja template.*'nosuch'"),
+        ("{{ foo.bar }}{% for m in messages %}{{ m.content }}{% endfor %}", r"failed while rendering.*'foo' is undef"),
+    ],
+    ids=["syntax", "filter", "undefined"],
+)
+def test_a_broken_template_is_blamed_not_the_records_roles(template: str, match: str) -> None:
+    with pytest.raises(MisconfigurationException, match=match) as refused:
+        encode(CHAT_RECORD, _tokenizer(), 64, chat_format(_tokenizer(), template))
+    assert "roles" not in str(refused.value)
+
+
+def test_a_template_that_refuses_the_roles_blames_the_roles() -> None:
+    """Control: the template's own `raise_exception` is about the record, and says so."""
+    template = "{% if messages[0].role != 'system' %}{{ raise_exception('Begin with a system turn.') }}{% endif %}"
+    with pytest.raises(MisconfigurationException, match=r"roles \['user'\]: Begin with a system turn\. Fix the record"):
+        encode(CHAT_RECORD, _tokenizer(), 64, chat_format(_tokenizer(), template))
 
 
 def test_chat_template_choices(tmp_path: Path) -> None:
