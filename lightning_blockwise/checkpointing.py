@@ -18,12 +18,14 @@ import re
 import shutil
 import socket
 import tempfile
+import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 # What a checkpoint needs from bitsandbytes' state-dict entries; importable from here as before.
@@ -280,6 +282,50 @@ class FrozenBase:
         return base_fingerprint(self.base_model.config, tensors)
 
 
+def check_checkpoint_file(path: str | Path | None) -> None:
+    """Refuse a ``ckpt_path`` that is not a Lightning checkpoint, naming the file and the problem.
+
+    Run before any model work: torch and Lightning otherwise fail deep inside the load (``OSError: [Errno 22]``,
+    ``EOFError``, ``KeyError: 101``) or only after the base is packed (a file without Lightning's keys). The file
+    is opened memory-mapped, so a full-state checkpoint is not read into memory here.
+
+    Args:
+        path: The ``ckpt_path`` given to ``fit``/``validate``/...; ``None``: nothing to check (URLs: Lightning).
+
+    Raises:
+        MisconfigurationException: If the file is missing, empty, truncated, not a ``torch.save`` file, or holds no
+            Lightning checkpoint.
+    """
+    if path is None or "://" in str(path):
+        return
+    path = Path(path)
+    fix = "Pass a checkpoint written by Lightning (e.g. by `ModelCheckpoint`), or drop `ckpt_path` to start afresh."
+    if not path.is_file():
+        raise MisconfigurationException(f"`ckpt_path` {str(path)!r} is not a file. {fix}")
+    if path.stat().st_size == 0:
+        raise MisconfigurationException(f"`ckpt_path` {str(path)!r} is empty (0 bytes): an interrupted write? {fix}")
+    if not zipfile.is_zipfile(path):
+        raise MisconfigurationException(
+            f"`ckpt_path` {str(path)!r} ({path.stat().st_size} bytes) is not a complete `torch.save` file: it is"
+            f" truncated (an interrupted copy or write) or of another format. {fix}"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as error:  # Any failure to read it is the file's problem: said with its name.
+        raise MisconfigurationException(f"`ckpt_path` {str(path)!r} cannot be read: {error!r}. {fix}") from None
+    missing = [key for key in _LIGHTNING_KEYS if not (isinstance(checkpoint, Mapping) and key in checkpoint)]
+    if missing:
+        found = list(checkpoint)[:5] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        raise MisconfigurationException(
+            f"`ckpt_path` {str(path)!r} is not a Lightning checkpoint: it lacks {missing} (it holds {found}; a bare"
+            f" `state_dict` or an adapter file?). {fix}"
+        )
+
+
+# What every checkpoint Lightning writes for training holds.
+_LIGHTNING_KEYS = ("state_dict", "global_step", "pytorch-lightning_version")
+
+
 def save_unbuffered(checkpoint: Mapping[str, Any], path: Path) -> None:
     """``torch.save`` straight to a temporary file beside ``path``, then rename it into place.
 
@@ -389,6 +435,7 @@ __all__ = [
     "FrozenBase",
     "HostViews",
     "base_fingerprint",
+    "check_checkpoint_file",
     "is_quantization_metadata",
     "remove_stale_temporaries",
     "save_unbuffered",

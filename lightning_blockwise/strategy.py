@@ -28,7 +28,7 @@ from lightning_blockwise.accumulation import (
 )
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.checkpoint_hooks import CheckpointHooks
-from lightning_blockwise.checkpointing import FrozenBase, save_unbuffered
+from lightning_blockwise.checkpointing import FrozenBase, check_checkpoint_file, save_unbuffered
 from lightning_blockwise.compat.versions import warn_if_untested
 from lightning_blockwise.data_parallel import DataParallelStrategy
 from lightning_blockwise.device_memory import check_cap
@@ -352,6 +352,12 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         # Lightning's `TorchCheckpointIO` serializes into an in-memory buffer first, which for a full-state
         # checkpoint would copy the whole base in host RAM.
         save_unbuffered(checkpoint, Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        # A bad `ckpt_path` fails naming the file and the problem, not deep inside torch's unpickler.
+        check_checkpoint_file(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

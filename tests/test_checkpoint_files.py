@@ -95,3 +95,42 @@ def test_control_another_write_error_is_not_called_a_full_disk(tmp_path: Path, m
     with pytest.raises(OSError, match=r"Could not write the checkpoint .*step=4\.ckpt: basic_ios") as raised:
         save_unbuffered({"x": 1}, tmp_path / "step=4.ckpt")
     assert "No space" not in str(raised.value)
+
+
+def _bad_files(root: Path) -> dict[str, Path]:
+    """An empty file, a truncated checkpoint, a bare state dict, and a file of another format."""
+    root.mkdir(parents=True, exist_ok=True)
+    good = root / "good.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(64)}, "global_step": 1, "pytorch-lightning_version": "2.6"}, good)
+    files = {"empty": root / "empty.ckpt", "truncated": root / "truncated.ckpt", "foreign": root / "foreign.ckpt"}
+    files["empty"].write_bytes(b"")
+    files["truncated"].write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    torch.save({"model.w": torch.ones(2)}, files["foreign"])
+    files["text"] = root / "notes.ckpt"
+    files["text"].write_text("not a checkpoint\n")
+    return files
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("empty", "is empty"), ("truncated", "truncated"), ("foreign", "is not a Lightning checkpoint"),
+     ("text", "truncated")],
+)  # fmt: skip
+def test_a_bad_ckpt_path_is_refused_naming_the_file(tmp_path: Path, kind: str, says: str) -> None:
+    """`Trainer.fit(ckpt_path=...)` under the strategy names the file and the problem (not EOFError, KeyError: 101)."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_blockwise import BlockwiseStrategy
+    from tests.helpers.models import CausalLMModule, build_model, loader, padded_batches, trainer
+
+    path = _bad_files(tmp_path)[kind]
+    module = CausalLMModule(lambda: build_model("llama"), in_configure_model=True)
+    with pytest.raises(MisconfigurationException, match=rf"`ckpt_path` '.*{path.name}'.*{says}"):
+        trainer(BlockwiseStrategy()).fit(module, loader(padded_batches(2)), ckpt_path=path)
+
+
+def test_control_a_good_checkpoint_file_passes_the_check(tmp_path: Path) -> None:
+    from lightning_blockwise.checkpointing import check_checkpoint_file
+
+    _bad_files(tmp_path)
+    check_checkpoint_file(tmp_path / "good.ckpt")
