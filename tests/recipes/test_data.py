@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from transformers import PreTrainedTokenizerFast
 
+from lightning_blockwise.recipes.chat import ALPACA, ChatFormat, chat_format
 from lightning_blockwise.recipes.data import (
     IGNORE_INDEX,
     InstructionDataModule,
@@ -21,6 +25,7 @@ from lightning_blockwise.recipes.data import (
     load_records,
     real_targets,
 )
+from lightning_blockwise.recipes.encoding import _runs
 from lightning_blockwise.recipes.records import is_conversation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +99,107 @@ def test_over_long_rows_are_truncated() -> None:
     cut = encode(RECORDS[3], tokenizer, max_length=len(full["input_ids"]) - 3)
     assert cut["input_ids"] == full["input_ids"][:-3] and cut["labels"] == full["labels"][:-3]
     assert _decode_targets(cut) == "oll"
+
+
+def _encoded_whole(record: dict, tokenizer: Any, max_length: int, chat: ChatFormat) -> dict[str, list[int]]:
+    """The row as `encode` made it before NOTE [ Tokenizing a prefix ]: every run tokenized whole, then cut."""
+    messages = (
+        record["messages"]
+        if is_conversation(record)
+        else chat.instruction_messages(record["instruction"], record.get("input") or "", record["output"])
+    )
+    ids, labels = chat.leading_ids(tokenizer), []
+    labels = [IGNORE_INDEX] * len(ids)
+    for text, trained in _runs(chat.segments(messages)):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, labels = ids + piece, labels + (piece if trained else [IGNORE_INDEX] * len(piece))
+    return {"input_ids": ids[:max_length], "labels": labels[:max_length]}
+
+
+def _merging_bpe() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with GPT-2's split whose merges make long tokens (runs of `=` and spaces, whole words)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["Hello there, add 2 and 3.\n\n" + "=" * 64 + "\n" + " " * 32 + "lorem ipsum dolor\n"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def _word_level() -> PreTrainedTokenizerFast:
+    """Whole words, anything unknown one token: a token may span thousands of characters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hi": 3}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _long_records() -> list[dict]:
+    """Records long enough that `encode` tokenizes prefixes of them, with cuts inside runs, words and characters."""
+    gen = torch.Generator().manual_seed(0)
+    pieces = ["lorem ", "ipsum", " dolor\n", "=" * 40, " " * 33, "\n\n", "é", "😀", "add 2 and 3. ", "hi "]
+    texts = ["".join(pieces[i] for i in torch.randint(len(pieces), (n,), generator=gen)) for n in (3000, 9000)]
+    texts.append(("x" * 6000 + " ") * 12)  # word-level: 12 tokens in 72,000 characters
+    return [
+        *({"instruction": "Go on.", "output": text} for text in texts),
+        {"instruction": texts[0], "input": texts[1], "output": "5"},  # the row is full before the output
+        {"messages": [{"role": "system", "content": texts[2]}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": texts[1]}]},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, _merging_bpe, _word_level], ids=["bytes", "bpe", "words"])
+@pytest.mark.parametrize("template", [ALPACA, CHAT_TEMPLATE], ids=["alpaca", "template"])
+def test_tokens_are_those_of_the_whole_text(make: Any, template: str) -> None:
+    """NOTE [ Tokenizing a prefix ]: the shipped records, and long ones cut after a prefix, encode as before."""
+    tokenizer = make()
+    chat = chat_format(tokenizer, template)
+    shipped = load_records(ROOT / "data" / "instructions.jsonl")[:60]
+    for max_length in (8, 64, 600):
+        for record in [*shipped, *_long_records()]:
+            assert encode(record, tokenizer, max_length, chat) == _encoded_whole(record, tokenizer, max_length, chat)
+
+
+class _Counting:
+    """A tokenizer that records the length of every text it is given."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.lengths.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+
+def test_a_huge_record_costs_what_a_row_of_max_length_does(tmp_path: Path) -> None:
+    """Tokenized whole, the issue's 50 MB record took 114 s and 9 GB at max_length=64; now a few thousand characters."""
+    huge = {"instruction": "Summarize.", "output": ("lorem ipsum dolor sit amet " * 800_000)[:20_000_000]}
+    path = _write(tmp_path / "huge.jsonl", [RECORDS[0], huge], jsonl=True)
+    started = time.perf_counter()
+    data = InstructionDataModule(str(path), max_length=64, val_fraction=0.0)
+    counting = _Counting(data.tokenizer)
+    data.tokenizer = counting
+    data.setup("fit")
+    assert time.perf_counter() - started < 10
+    assert max(counting.lengths) < 20_000  # two prefixes of 8 x 64 + 4096 characters
+    rows = sorted((row["input_ids"] for row in data.train_set), key=len)
+    assert len(rows[-1]) == 64 and byte_tokenizer().decode(rows[-1]).endswith("Response:\nlorem ipsum dolor si")
+    # Control: an ordinary record is tokenized whole, one text per run.
+    counting.lengths.clear()
+    encode(RECORDS[0], counting, 512, data.chat)
+    assert sum(counting.lengths) == sum(len(text) for text, _ in _runs(data.chat.segments(
+        data.chat.instruction_messages(RECORDS[0]["instruction"], RECORDS[0]["input"], RECORDS[0]["output"])
+    )))  # fmt: skip
 
 
 @pytest.mark.parametrize("jsonl", [True, False])
