@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, nf4_config
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes.leftovers import scratch_directory
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
 #: Token id that pads sequences on the right; the data never use it otherwise.
@@ -99,7 +101,10 @@ def build_base_model(
         return model.to(device).eval()
     # Quantize the way users load a real checkpoint: from disk, through `quantization_config`.
     quantization = nf4_config(torch.float32)
-    with tempfile.TemporaryDirectory(prefix="lightning-blockwise-demo-") as checkpoint:
+    # NOTE [ Cleaning what is ours ] in recipes/leftovers.py: a kill mid-load leaves the checkpoint behind,
+    # named for this process, and the next demo removes it.
+    checkpoint = scratch_directory(tempfile.gettempdir(), "lightning-blockwise-demo", ".model")
+    try:
         model.save_pretrained(checkpoint)
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint,
@@ -108,6 +113,8 @@ def build_base_model(
             dtype=torch.float32,
             local_files_only=True,
         )
+    finally:
+        shutil.rmtree(checkpoint, ignore_errors=True)
     # The checkpoint is gone once loaded; an adapter saved later must not name it as its base.
     model.name_or_path = model.config.name_or_path = ""
     # NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py: validation's eval-mode, no-grad
@@ -184,6 +191,8 @@ class DemoCausalLM(pl.LightningModule):
         self.save_hyperparameters()
         self.model: PeftModel | None = None
         self._first_train_loss: float | None = None
+        # Whether this fit saved its adapter (NOTE [ A resume with nothing to train ] in recipes/finetune.py).
+        self._exported = False
         self._last_train_loss: float | None = None
 
     def configure_model(self) -> None:
@@ -278,8 +287,22 @@ class DemoCausalLM(pl.LightningModule):
         scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total_steps), hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_fit_start(self) -> None:
+        """Note that this fit has not saved its adapter yet."""
+        self._exported = False
+
+    def on_fit_end(self) -> None:
+        """Save the adapter if training ended without ``on_train_end``: a resume with nothing left to train.
+
+        NOTE [ A resume with nothing to train ] in recipes/finetune.py.
+        """
+        if not self._exported:
+            rank_zero_info("DemoCausalLM: nothing left to train; saving the adapter the checkpoint restored.")
+            self.on_train_end()
+
     def on_train_end(self) -> None:
         """Save the adapter to ``<log_dir>/adapter`` and say where, with the first and last train loss."""
+        self._exported = True
         if not self.trainer.is_global_zero:
             return
         adapter_dir = export_adapter(self.model, self._adapter_dir())

@@ -134,6 +134,8 @@ class CausalLMFineTune(pl.LightningModule):
         # Checkpoints hold only the adapters (`BlockwiseStrategy`'s lean checkpoints, or `on_save_checkpoint` under
         # other strategies); the frozen base comes from `checkpoint`.
         self.strict_loading = False
+        # Whether this fit exported its adapter (NOTE [ A resume with nothing to train ]).
+        self._exported = False
 
     def configure_model(self) -> None:
         """Load (or build) the NF4 (or dense) base and add the adapters (once).
@@ -221,6 +223,7 @@ class CausalLMFineTune(pl.LightningModule):
                 self._adapter_dir(),
                 self.hparams.overwrite_adapter,
                 f"CausalLMFineTune(adapter_dir={self._adapter_dir()})",
+                inputs=[self.hparams.checkpoint] if Path(self.hparams.checkpoint).exists() else [],
             )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -234,8 +237,29 @@ class CausalLMFineTune(pl.LightningModule):
         trainable = {name for name, param in self.named_parameters() if param.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
+    def on_fit_start(self) -> None:
+        """Note that this fit has not exported its adapter yet."""
+        self._exported = False
+
     def on_train_end(self) -> None:
         """Export the adapter as a PEFT directory (atomically: NOTE [ Atomic adapter export ] in export.py)."""
+        self._export()
+
+    def on_fit_end(self) -> None:
+        """Export the adapter if training ended without ``on_train_end`` (NOTE [ A resume with nothing to train ])."""
+        # NOTE [ A resume with nothing to train ]
+        # A run killed after its last checkpoint (while it wrote the adapter, say) and resumed from that
+        # checkpoint restores `global_step == max_steps`: Lightning's fit loop is done before it starts and
+        # skips `on_train_end`, so the adapter the run exists for would never be written. `on_fit_end` runs
+        # either way; the weights are the checkpoint's, restored, so the adapter is the one the run trained.
+        if not self._exported:
+            rank_zero_info(
+                "CausalLMFineTune: nothing left to train; exporting the adapter restored from the checkpoint."
+            )
+            self._export()
+
+    def _export(self) -> None:
+        self._exported = True
         if not self.trainer.is_global_zero:
             return
         written = export_adapter(self.model, self._adapter_dir(), overwrite=self.hparams.overwrite_adapter)

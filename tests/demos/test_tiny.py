@@ -6,7 +6,11 @@ import csv
 import itertools
 import json
 import math
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import build_cli
 from lightning_blockwise.demos.progressions import DemoDataModule
 from lightning_blockwise.demos.tiny import DemoCausalLM, build_base_model
+from lightning_blockwise.recipes import leftovers
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,3 +199,19 @@ def test_demo_fit_lowers_the_loss_and_saves_a_loadable_adapter(tmp_path: Path) -
     # `validate` from the saved adapter reproduces the last validation of the fit.
     cli = build_cli(["validate", "--config", str(DEMO_CONFIG), *into, f"--model.init_args.adapter_path={adapter_dir}"])
     assert math.isclose(cli.trainer.callback_metrics["val_loss"].item(), val[-1], rel_tol=1e-5)
+
+
+def test_a_killed_demos_temporary_model_is_cleaned_at_the_next_start() -> None:
+    """NOTE [ Cleaning what is ours ]: a dead process's temporary checkpoint goes; a running one's stays (control)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = leftovers._host()
+    stale = Path(tempfile.gettempdir()) / f"lightning-blockwise-demo.{host}-{dead.pid}.test00.model"
+    live = Path(tempfile.mkdtemp(prefix=f"lightning-blockwise-demo.{host}-{os.getpid()}.", suffix=".model"))
+    stale.mkdir()
+    try:
+        build_base_model()
+        assert not stale.exists() and live.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)

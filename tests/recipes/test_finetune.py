@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
+from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
@@ -26,6 +27,7 @@ from lightning_blockwise.cli import build_cli, main
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
+from lightning_blockwise.recipes.export import export_adapter
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.tiling import TiledMLP
@@ -310,3 +312,35 @@ def test_random_init_dense(tmp_path: Path) -> None:
     _fit_finetune(module, "blockwise", tmp_path)
     q_proj = module.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
     assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.float32
+
+
+def test_a_resume_with_nothing_left_to_train_exports_the_restored_adapter(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """NOTE [ A resume with nothing to train ]: a run resumed at `max_steps` (its export lost) still exports.
+
+    Control: the resumed fit really skipped training (`on_train_end` never ran), and its adapter is the
+    checkpoint's, not the fresh module's.
+    """
+    first = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
+    _fit_finetune(first, BlockwiseStrategy(), tmp_path / "first", steps=2)
+    first.trainer.save_checkpoint(tmp_path / "last.ckpt")
+    expected = load_file(tmp_path / "first" / "adapter" / "adapter_model.safetensors")
+
+    resumed = CausalLMFineTune(
+        str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1, adapter_dir=str(tmp_path / "out")
+    )
+    train_ends = []
+    resumed.on_train_end = lambda: train_ends.append(1)  # type: ignore[method-assign]
+    fitter = trainer(BlockwiseStrategy(), max_steps=2, accumulate_grad_batches=1, default_root_dir=tmp_path / "again")
+    fitter.fit(resumed, datamodule=_tokens(), ckpt_path=tmp_path / "last.ckpt")
+    assert train_ends == [] and fitter.global_step == 2
+    restored = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert restored.keys() == expected.keys() and expected
+    for name, value in expected.items():
+        assert torch.equal(restored[name], value), name
+    fresh = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32")
+    fresh.configure_model()
+    export_adapter(fresh.model, tmp_path / "fresh")
+    untrained = load_file(tmp_path / "fresh" / "adapter_model.safetensors")
+    assert any(not torch.equal(untrained[name], value) for name, value in expected.items())
