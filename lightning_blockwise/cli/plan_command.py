@@ -28,7 +28,12 @@ from typing_extensions import override
 from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
 from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.planning import parse_bytes
-from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, RECOMMENDED_MLP_TILE_TOKENS, recommend
+from lightning_blockwise.planning.recommend import (
+    CUDA_CONTEXT_RESERVE,
+    RECOMMENDED_MLP_TILE_TOKENS,
+    check_card,
+    recommend,
+)
 from lightning_blockwise.planning.sizing import model_sizes
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
@@ -123,7 +128,7 @@ def plan_report(
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
-            out of range or ``vram_budget`` below the minimum.
+            out of range, ``vram_budget`` below the minimum, or ``gpu_memory`` no more than the CUDA context takes.
     """
     try:
         sizes = model_sizes(
@@ -190,9 +195,12 @@ def plan_report(
         "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,
     }
     if gpu_memory is not None:
-        advice = recommend(
-            sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens
-        )
+        try:
+            advice = recommend(
+                sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens
+            )
+        except ValueError as error:
+            raise MisconfigurationException(f"--gpu-memory: {error}.") from None
         report["recommendation"] = recommendation_fields(advice, sizes.host_bytes(advice.block_size))
     return report
 
@@ -241,6 +249,16 @@ def _memory_size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _card_size(text: str) -> int:
+    """An argparse ``type``: a card's memory such as ``24GiB``, in bytes, larger than the CUDA context takes."""
+    size = _memory_size(text)
+    try:
+        check_card(size)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    return size
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -293,7 +311,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--gpu-memory",
-        type=_memory_size,
+        type=_card_size,
         default=None,
         help="A card's memory, e.g. 24GiB: recommend budget, block size, offload, loss and MLP tiling (default: none).",
     )

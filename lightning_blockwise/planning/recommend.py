@@ -65,6 +65,25 @@ class Recommendation:
     offload_host_bytes: int = 0
 
 
+#: The smallest card a plan is made for: the CUDA context's reserve and one step of budget.
+SMALLEST_CARD = CUDA_CONTEXT_RESERVE + _BUDGET_STEP
+
+
+def check_card(gpu_memory: int) -> None:
+    """Refuse a card that leaves no budget once the CUDA context is on it.
+
+    Raises:
+        ValueError: If ``gpu_memory`` is below :data:`SMALLEST_CARD` (the budget would be zero or negative).
+    """
+    if gpu_memory < SMALLEST_CARD:
+        raise ValueError(
+            f"{gpu_memory:,} bytes ({gpu_memory / 2**30:.3g} GiB) is too small for a card: the CUDA context and"
+            f" cuBLAS workspaces take about {CUDA_CONTEXT_RESERVE / 2**30:g} GiB of it before any tensor, so a card"
+            f" needs at least {SMALLEST_CARD / 2**30:g} GiB. Give the card's whole memory, e.g. 24GiB"
+            " (`nvidia-smi --query-gpu=memory.total --format=csv`)"
+        )
+
+
 def recommend(
     sizes: ModelSizes,
     gpu_memory: int,
@@ -97,7 +116,11 @@ def recommend(
         loss_chunk_tokens: The chunk of the module's chunked loss; ``None``: Hugging Face's loss, or the
             chunked loss where nothing else fits.
         mlp_tile_tokens: The tile of the module's tiled MLPs; ``None``: untiled, or tiled where nothing else fits.
+
+    Raises:
+        ValueError: If the card leaves no budget once the CUDA context is on it (:func:`check_card`).
     """
+    check_card(gpu_memory)
     # Rounded down to a tenth of a GiB, so that it reads as the string to put in a config ("19.5GiB").
     budget = int((gpu_memory - CUDA_CONTEXT_RESERVE) / _BUDGET_STEP) * _BUDGET_STEP
     # NOTE [ Long-context options ]

@@ -12,11 +12,13 @@ import pytest
 import torch
 import transformers
 from bitsandbytes.nn import Params4bit
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.architectures import adapter_parameters, find_decoder_stack
 from lightning_blockwise.cli import main, plan, plan_report
 from lightning_blockwise.loading.load import load_blockwise
-from lightning_blockwise.planning import StepShape
+from lightning_blockwise.planning import StepShape, parse_bytes
+from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, SMALLEST_CARD
 from lightning_blockwise.planning.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
 from lightning_blockwise.residency.layout import layout_block
 from lightning_blockwise.residency.placement import host_copy_of
@@ -134,7 +136,26 @@ def test_recommendation_for_a_card() -> None:
     # A tiny model fits resident whole: block_size 1, nothing streams.
     assert advice.block_size == 1 and len(advice.plan.resident) == 4
     assert advice.plan.predicted_reserved <= advice.budget
-    assert recommend(sizes, gpu_memory=2**30 + 1, tokens=512).plan is None
+    # A card that leaves no budget once the CUDA context is on it is refused, not planned for with a negative one.
+    with pytest.raises(ValueError, match=r"1,073,741,825 bytes \(1 GiB\) is too small for a card: the CUDA context"):
+        recommend(sizes, gpu_memory=2**30 + 1, tokens=512)
+    # Control: the smallest card is planned for; it only does not fit.
+    assert recommend(sizes, gpu_memory=SMALLEST_CARD, tokens=512).budget == SMALLEST_CARD - CUDA_CONTEXT_RESERVE
+
+
+@pytest.mark.parametrize("card", ["1KB", "1GiB"])
+def test_plan_refuses_a_card_the_cuda_context_fills(card: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --gpu-memory 1KB` printed "-1.07 GB the card leaves"; now one line, before the config is read."""
+    with pytest.raises(
+        SystemExit,
+        match=rf"^lightning-blockwise plan: argument --gpu-memory: '{card}': .* is too"
+        r" small for a card: .* needs at least 1.1 GiB\. Give the card's whole memory",
+    ) as exit_info:
+        main(["plan", "missing-checkpoint", f"--gpu-memory={card}"])
+    assert "\n" not in str(exit_info.value) and "-1" not in capsys.readouterr().out
+    # The same through the API.
+    with pytest.raises(MisconfigurationException, match=r"^--gpu-memory: .* is too small for a card"):
+        plan_report(_tiny_llama(), tokens=512, gpu_memory=parse_bytes(card))
 
 
 def test_plan_from_config_json_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
