@@ -27,16 +27,20 @@ import torch
 from lightning_blockwise.residency.arena import HostArena
 
 
-def _numa_node(device: int) -> str:
-    bus = (
-        torch.cuda.get_device_properties(device).pci_bus_id
-        if hasattr(torch.cuda.get_device_properties(device), "pci_bus_id")
-        else None
-    )
-    if bus is None:
-        return "?"
-    path = Path(f"/sys/bus/pci/devices/{bus.lower()}/numa_node")
-    return path.read_text().strip() if path.exists() else "?"
+def _numa_nodes() -> dict[str, str]:
+    """Each GPU's PCI address and NUMA node, as ``nvidia-smi`` and sysfs report them."""
+    try:
+        query = ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"]
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError) as error:
+        return {"nvidia-smi": str(error)}
+    nodes = {}
+    for line in lines:
+        index, bus = (part.strip() for part in line.split(","))
+        address = bus.lower()[-12:]  # `00000000:00:06.0` -> `0000:00:06.0`, sysfs's name
+        path = Path(f"/sys/bus/pci/devices/{address}/numa_node")
+        nodes[f"cuda:{index}"] = f"{address}, NUMA node {path.read_text().strip() if path.exists() else '?'}"
+    return nodes
 
 
 def _copy_rate(sources: dict[int, torch.Tensor], slab: int, repeat: int) -> dict[int, float]:
@@ -84,7 +88,7 @@ def main() -> None:
         print(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout)
     except (OSError, subprocess.SubprocessError) as error:
         print(f"nvidia-smi topo -m: {error}")
-    print({f"cuda:{d}": f"NUMA node {_numa_node(d)}" for d in devices})
+    print(_numa_nodes())
     owner = HostArena([nbytes], pin=True)
     owner.storage.fill_(7)
     rows = []

@@ -24,6 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_blockwise.rank_watchdog import RankWatchdog
+
 # NOTE [ Data parallel, and one device as before ]
 # With N processes (Trainer `devices`/`num_nodes`, torchrun, SLURM) each rank trains on its own device and PyTorch's
 # DDP reducer sums the adapters' gradients, as under `strategy="ddp"`. The strategy is not a `DDPStrategy` subclass
@@ -84,6 +86,7 @@ class DataParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._watchdog: RankWatchdog | None = None
 
     # DDPStrategy's own: node count, processes per node, the sampler's ranks, backend choice, world ranks, the process
     # group, and the collectives (each a no-op until a process group exists, as with one process).
@@ -134,6 +137,8 @@ class DataParallelStrategy(ParallelStrategy):
         super().setup_environment()
         if self.is_distributed:
             self.setup_distributed()
+            # NOTE [ A dead rank ends the run ] in rank_watchdog.py.
+            self._watchdog = RankWatchdog(self._timeout)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -169,6 +174,10 @@ class DataParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._watchdog.finish(succeeded=trainer is not None and not trainer.interrupted)
+            self._watchdog = None
         module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
             self.model = module

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config
 
-from tests.distributed.test_data_parallel import run_external
+from tests.distributed.test_data_parallel import _worker, run_external
+from tests.distributed.test_rank_watchdog import BOUND, _start, _survivor_exit
 from tests.helpers.models import GPU_SHAPES, RunResult, assert_equal_runs, runs_differ
 
 pytestmark = [
@@ -34,8 +35,10 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen2_8_layers")
-    config = GPU_SHAPES["qwen2"]()
-    config.num_hidden_layers = 8
+    # Built anew with 8 layers: the per-layer lists (`layer_types`) must have that length too.
+    fields = {**GPU_SHAPES["qwen2"]().to_dict(), "num_hidden_layers": 8}
+    fields.pop("layer_types", None)
+    config = Qwen2Config(**fields)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -73,11 +76,18 @@ def test_one_host_copy_on_two_gpus_trains_exactly(checkpoint: Path, tmp_path: Pa
     assert all(role["unchanged"] for role in roles)
 
 
-def test_resume_on_two_gpus_is_exact(checkpoint: Path, tmp_path: Path) -> None:
-    """Resumed after its first epoch, the 2-GPU run ends as the uninterrupted one; without the ranks' own RNG
-    states (control) it does not."""
+def test_a_dead_rank_ends_the_run_and_the_run_resumes_exactly(checkpoint: Path, tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed before a backward of the second epoch: rank 0, blocked in NCCL's all-reduce, ends within
+    the bound naming rank 1 (NOTE [ A dead rank ends the run ]); resumed from the first epoch's checkpoint, the run
+    ends as the uninterrupted one. Without the ranks' own RNG states (control) it does not."""
     whole = _run(tmp_path / "whole", checkpoint, "blockwise", "--epochs", "2")
-    [first] = sorted((tmp_path / "whole" / "checkpoints").glob("epoch=0*.ckpt"))
+    command = _worker(tmp_path / "killed", checkpoint, "blockwise", WORLD, "--gpu", "--epochs", "2")
+    ranks = _start([*command, "--die-at-batch", "6"])
+    seconds, output = _survivor_exit(ranks, limit=BOUND)
+    assert ranks[1].returncode == -9, "rank 1 was SIGKILLed"
+    assert seconds is not None and seconds < BOUND and ranks[0].returncode == 1, output[-3000:]
+    assert "rank 1 (process" in output and "died during training" in output, output[-3000:]
+    [first] = sorted((tmp_path / "killed" / "checkpoints").glob("epoch=0*.ckpt"))
     resumed = _run(tmp_path / "resumed", checkpoint, "blockwise", "--epochs", "2", "--resume", str(first))
     tails = [RunResult(run.losses[4:], run.grads[2:], run.weights, run.optimizer) for run in whole]
     for rank in range(WORLD):

@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
-from lightning_blockwise import BlockwiseStrategy, load_blockwise
+from lightning_blockwise import BlockwiseStrategy, data_parallel, load_blockwise
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck
 from lightning_blockwise.checkpointing import CHECKPOINT_KEY
 from lightning_blockwise.compat.bitsandbytes import nf4_config
@@ -59,8 +60,12 @@ def main() -> None:
     parser.add_argument(
         "--gpu", action="store_true", help="one GPU per rank: NF4 with bf16 compute, bf16-mixed, deterministic, seq 512"
     )
+    parser.add_argument("--die-at-batch", type=int, default=None, help="rank 1 SIGKILLs itself before this backward")
+    parser.add_argument("--no-watchdog", action="store_true", help="control: no rank watchdog (a collective waits)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.no_watchdog:
+        data_parallel.RankWatchdog = _NoWatchdog  # type: ignore[misc]
 
     if args.gpu:
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
@@ -88,6 +93,7 @@ def main() -> None:
         )
         callbacks: list[Callback] = [ParityCheck(), BlockwiseProfiler(dirpath=args.out)] if args.callbacks else []
         callbacks += [_NoReduce()] if args.no_reduce else []
+        callbacks += _die(args)
         result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps,
                      accumulate_grad_batches=2, callbacks=callbacks, **_device_kwargs(args))  # fmt: skip
         if args.callbacks:
@@ -162,6 +168,33 @@ class _NoReduce(Callback):
         trainer.strategy.model.register_comm_hook(None, local)
 
 
+class _DieAt(Callback):
+    """Rank 1 kills itself (SIGKILL) just before the backward of its ``batch``-th micro-batch of the run."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seen = 0
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.seen += 1
+        if trainer.global_rank == 1 and self.seen == self.batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die(args: argparse.Namespace) -> list[Callback]:
+    return [_DieAt(args.die_at_batch)] if args.die_at_batch is not None else []
+
+
+class _NoWatchdog:
+    """Control: a watchdog that watches nothing, so a dead rank leaves the others in the collective."""
+
+    def __init__(self, timeout: object) -> None:
+        pass
+
+    def finish(self, succeeded: bool) -> None:
+        pass
+
+
 class _RankSeed(Callback):
     """Each rank its own random numbers (dropout), so that a resume must give each its own states back."""
 
@@ -174,7 +207,8 @@ def _fit_epochs(module: CausalLMModule, strategy: Any, args: argparse.Namespace)
     pl.seed_everything(0, verbose=False)
     save = ModelCheckpoint(dirpath=args.out / "checkpoints", save_top_k=-1, every_n_epochs=1, save_last=False)
     fitter = trainer(strategy, devices=args.devices, max_steps=-1, max_epochs=args.epochs, accumulate_grad_batches=2,
-                     enable_checkpointing=True, callbacks=[_RankSeed(), save], **_device_kwargs(args))  # fmt: skip
+                     enable_checkpointing=True, callbacks=[_RankSeed(), save, *_die(args)],
+                     **_device_kwargs(args))  # fmt: skip
     ckpt_path = args.resume
     if ckpt_path is not None and args.drop_rank_rng:
         checkpoint = torch.load(ckpt_path, weights_only=False)

@@ -1,0 +1,137 @@
+"""A dead rank ends the run in seconds, naming itself, instead of a collective's 30-minute timeout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed
+
+log = logging.getLogger(__name__)
+
+# NOTE [ A dead rank ends the run ]
+# A rank killed mid-step (SIGKILL, the kernel's OOM killer, a lost node) leaves the others blocked in a collective
+# (DDP's all-reduce in the backward) until the process group's timeout, 30 minutes by default, and then fails with
+# an NCCL message that does not say which rank is gone. Meanwhile the shared host copy (one per machine) and the
+# GPUs stay taken. So each process of a data-parallel run starts a watchdog thread once the process group exists:
+# it learns every rank's host and process id (one `all_gather_object` at setup) and checks, every `interval`
+# seconds, that the ranks on its own host are still alive. A rank that ends its run normally first says so in the
+# process group's store (`done`), so its exit is not taken for a death; the store's own host (rank 0) waits for the
+# others' `done` before it may exit, so a rank that finishes a little later can still read it.
+#
+# When a peer is gone without `done`, the watchdog logs which rank (process id, host) died, that this rank stops
+# because of it, and how to resume, then ends this process with exit status 1. It cannot unblock the collective
+# the main thread is waiting in (NCCL offers no safe cancel from another thread), and a process exit is what
+# returns the GPU, the pinned registration and this rank's mappings of the shared host copy to the machine; the
+# copy's memory is freed when its last process is gone. Ranks on other hosts are not watched (their process ids
+# mean nothing here): a dead rank there still ends the run at the process group's timeout.
+
+#: Seconds between two checks of the peers.
+INTERVAL = 1.0
+#: Seconds the store's host waits at the end for the other ranks to say they are done.
+DONE_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One rank of the run: where it runs."""
+
+    rank: int
+    host: str
+    pid: int
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process ``pid`` runs (a zombie, killed but not reaped by its parent, does not)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        # The state is the field after the command name, which is in parentheses and may hold spaces.
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # unreadable: assume alive rather than end a healthy run
+
+
+class RankWatchdog:
+    """Watches the other ranks on this host and ends this process when one dies (NOTE [ A dead rank ends the run ]).
+
+    Args:
+        timeout: The process group's timeout, for the message (what the run would otherwise have waited).
+        interval: Seconds between two checks.
+    """
+
+    #: Watchdogs made in this process so far: each run's `done` keys are its own (a fit, then a validate).
+    _runs = 0
+
+    def __init__(self, timeout: timedelta | None, interval: float = INTERVAL) -> None:
+        RankWatchdog._runs += 1
+        self.run = RankWatchdog._runs
+        self.timeout = timeout
+        self.interval = interval
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        here = Peer(self.rank, socket.gethostname(), os.getpid())
+        everyone: list[Peer | None] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, here)
+        self.peers = [p for p in everyone if p is not None and p.rank != self.rank and p.host == here.host]
+        self._store = torch.distributed.distributed_c10d._get_default_store()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="blockwise-rank-watchdog", daemon=True)
+        self._thread.start()
+
+    def _done_key(self, rank: int) -> str:
+        return f"lightning_blockwise/done/{self.run}/{rank}"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            for peer in self.peers:
+                if not _alive(peer.pid) and not self._finished(peer) and not self._stop.is_set():
+                    self._end(peer)
+
+    def _finished(self, peer: Peer) -> bool:
+        """Whether ``peer`` said it ended its run normally (unknown, e.g. the store's host is gone: it did not)."""
+        try:
+            return self._store.check([self._done_key(peer.rank)])
+        except Exception:  # the store's host is gone, or the store is closed: no word from the peer
+            return False
+
+    def _end(self, peer: Peer) -> None:
+        waited = f"the process group's timeout ({self.timeout})" if self.timeout else "the process group's timeout"
+        message = (
+            f"BlockwiseStrategy: rank {peer.rank} (process {peer.pid} on {peer.host}) died during training, so rank"
+            f" {self.rank} (process {os.getpid()}) ends too, instead of waiting in a collective for {waited}. Find"
+            f" why rank {peer.rank} stopped (killed, out of memory), then resume the run from its last checkpoint"
+            " (`trainer.fit(..., ckpt_path=...)` or `--ckpt_path`)."
+        )
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def finish(self, succeeded: bool) -> None:
+        """Stop watching; after a normal end, tell the peers (and, on the store's host, wait until they have too).
+
+        Args:
+            succeeded: The run ended normally. After an error nothing is said, so the peers, blocked in a collective
+                this rank will never join, take its exit for a death and end too.
+        """
+        if succeeded:
+            try:
+                self._store.set(self._done_key(self.rank), "1")
+                if self.rank == 0:
+                    # Rank 0 holds the store: keep it up until every rank has read what it needs from it.
+                    others = [self._done_key(rank) for rank in range(1, self.world_size)]
+                    self._store.wait(others, timedelta(seconds=DONE_TIMEOUT))
+            except Exception as error:  # a peer that died at the very end: the run's work is done anyway
+                log.warning(f"BlockwiseStrategy: the ranks' end of run was not confirmed: {error}")
+        self._stop.set()
+        self._thread.join(timeout=self.interval * 5)
+
+
+__all__ = ["RankWatchdog"]
