@@ -11,6 +11,7 @@ Example::
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --lora-r 16 --gpu-memory 24GiB --json
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 32768 --loss-chunk-tokens 1024 --mlp-tile-tokens 4096
+    lightning-blockwise plan /models/Qwen2.5-72B --seq-len 4096 --devices 2 --gpu-memory 80GB
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             mlp_tile_tokens=options.mlp_tile_tokens,
             quantize=not options.dense,
             block_major=options.block_major,
+            devices=options.devices,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -99,6 +101,7 @@ def plan_report(
     mlp_tile_tokens: int | None = None,
     quantize: bool = True,
     block_major: int | None = None,
+    devices: int = 1,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -125,13 +128,16 @@ def plan_report(
             ``CausalLMFineTune(quantize=False)``); else NF4 with double quantization.
         block_major: ``accumulate_grad_batches`` of a run with ``block_major_accumulation=True`` (the window's
             micro-batches' layer inputs are saved at once, its workers' cuBLAS workspaces count); ``None``: off.
+        devices: Data-parallel processes on the machine, one GPU each. The VRAM figures are one rank's (its GPU
+            holds DDP's gradient buckets too when there are several); host RAM is the machine's: one shared arena
+            (NOTE [ One host copy per machine ]), each rank's offloaded layer inputs and host embedding table.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
             out of range, ``vram_budget`` below the minimum, or ``gpu_memory`` no more than the CUDA context takes.
     """
     try:
-        sizes = model_sizes(
+        model = model_sizes(
             config,
             dtype=None if dtype is None else getattr(torch, dtype),
             lora_rank=lora_rank,
@@ -143,6 +149,7 @@ def plan_report(
         # How `model_sizes` refuses targets the layers lack, and transformers a config it cannot build: the
         # message stands alone.
         raise MisconfigurationException(str(error)) from None
+    sizes = model.per_rank(devices)  # what one rank's GPU holds
     if block_size > sizes.num_layers:
         raise MisconfigurationException(
             f"--block-size {block_size} is more than the {sizes.num_layers} decoder layers of this"
@@ -171,18 +178,21 @@ def plan_report(
         raise MisconfigurationException(
             f"--vram-budget: {error}{_smaller_step_hint(loss_chunk_tokens, mlp_tile_tokens)}"
         ) from None
-    offload_host_bytes = step.offload_host_bytes
+    # Host RAM is the machine's: one arena for all ranks, each rank's own offloaded inputs and embedding table.
+    offload_host_bytes = step.offload_host_bytes * devices
     report: dict[str, Any] = {
         "model_type": sizes.model_type,
         "base": "nf4" if quantize else "dense",
         "num_layers": sizes.num_layers,
         "tokens": tokens,
+        "devices": devices,
         "block_size": block_size,
         "prefetch_depth": prefetch_depth,
         "block_bytes": sizes.block_bytes(block_size),
         "host_arena_bytes": sizes.host_bytes(block_size),
-        "host_embedding_bytes": sizes.host_embedding_bytes,
-        "device_frozen_bytes": sizes.device_bytes,
+        "host_embedding_bytes": sizes.host_embedding_bytes * devices,
+        "device_frozen_bytes": model.device_bytes,
+        "ddp_bucket_bytes": sizes.device_bytes - model.device_bytes,
         "adapter_bytes": sizes.trainable_bytes,
         "vram_budget": vram_budget,
         **plan_fields(step.residency),
@@ -201,7 +211,7 @@ def plan_report(
             )
         except ValueError as error:
             raise MisconfigurationException(f"--gpu-memory: {error}.") from None
-        report["recommendation"] = recommendation_fields(advice, sizes.host_bytes(advice.block_size))
+        report["recommendation"] = recommendation_fields(advice, sizes.host_bytes(advice.block_size), devices)
     return report
 
 
@@ -343,6 +353,13 @@ def _plan_parser() -> argparse.ArgumentParser:
         metavar="G",
         help="Plan for block_major_accumulation=True with accumulate_grad_batches=G: G micro-batches' layer inputs"
         " are saved at once (default: off).",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_positive_int,
+        default=1,
+        help="Data-parallel processes on this machine, one GPU each (default: 1). VRAM is per GPU; host RAM is the"
+        " machine's: one shared arena, each rank's offloaded layer inputs and embedding table.",
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
     return parser

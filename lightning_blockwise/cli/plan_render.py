@@ -12,8 +12,8 @@ from lightning_blockwise.planning import format_gb
 from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, Recommendation
 
 
-def recommendation_fields(advice: Recommendation, host_arena_bytes: int) -> dict[str, Any]:
-    """The ``recommendation`` of the report, with the settings to copy into a config."""
+def recommendation_fields(advice: Recommendation, host_arena_bytes: int, devices: int = 1) -> dict[str, Any]:
+    """The ``recommendation`` of the report, with the settings to copy into a config (host RAM for ``devices``)."""
     budget_text = f"{advice.budget / 2**30:.1f}GiB"
     strategy = {"vram_budget": budget_text, "block_size": advice.block_size}
     if advice.offload_activations:
@@ -31,8 +31,8 @@ def recommendation_fields(advice: Recommendation, host_arena_bytes: int) -> dict
         "offload_activations": advice.offload_activations,
         "loss_chunk_tokens": advice.loss_chunk_tokens,
         "mlp_tile_tokens": advice.mlp_tile_tokens,
-        "offload_host_bytes": advice.offload_host_bytes,
-        "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes,
+        "offload_host_bytes": advice.offload_host_bytes * devices,
+        "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes * devices,
         # `trainer.strategy.init_args` and `model.init_args` of a config (configs/*.yaml).
         "strategy_settings": strategy,
         "model_settings": model,
@@ -67,6 +67,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("model", f"{report['model_type']}, {report['num_layers']} decoder layers"),
         ("base", "NF4 + double quant" if report.get("base", "nf4") == "nf4" else "dense, every tensor unquantized"),
         ("step", f"{report['tokens']} tokens per micro-batch{_window_text(report.get('block_major'))}"),
+        ("devices", _devices_text(report)),
         ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
         ("layer inputs", _inputs_text(report)),
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
@@ -77,6 +78,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("host RAM, embedding table", format_gb(report["host_embedding_bytes"]) + " (not pinned)"),
         ("VRAM, frozen head/norms/tables", format_gb(report["device_frozen_bytes"])),
         ("VRAM, adapters (x4 with grads and AdamW)", format_gb(report["adapter_bytes"])),
+        *_bucket_rows(report),
         (
             "VRAM, predicted peak",
             f"{format_gb(report['predicted_peak_bytes'])} allocated ({report['resident_blocks']} blocks resident,"
@@ -105,6 +107,24 @@ def print_report(report: dict[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _devices_text(report: dict[str, Any]) -> str:
+    """Whose memory the figures are: one GPU's and the machine's host RAM."""
+    devices = report.get("devices", 1)
+    if devices == 1:
+        return "1 GPU"
+    return (
+        f"{devices} GPUs, one data-parallel rank each: VRAM figures are per GPU; host RAM is the machine's (one"
+        f" shared arena, {devices} ranks' offloaded inputs and embedding tables)"
+    )
+
+
+def _bucket_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """DDP's gradient buckets, on each GPU of a data-parallel run."""
+    if not report.get("ddp_bucket_bytes"):
+        return []
+    return [("VRAM, DDP gradient buckets (per GPU)", format_gb(report["ddp_bucket_bytes"]))]
 
 
 def _over_the_card(report: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ alone; :func:`slab_bytes` lays tensors out in a slab as the host arena does.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig
 
@@ -56,6 +56,17 @@ class ModelSizes:
     def num_layers(self) -> int:
         """Decoder layers."""
         return len(self.layer_tensors)
+
+    def per_rank(self, ranks: int) -> ModelSizes:
+        """The sizes one rank of a ``ranks``-process data-parallel run places on its device.
+
+        With several ranks, PyTorch DDP keeps its gradient buckets: a flat copy of the trainable gradients
+        (``gradient_as_bucket_view=False``, its default and the strategy's), counted with the device's fixed bytes.
+        Host bytes are a machine's, not a rank's: see ``plan``'s report.
+        """
+        if ranks <= 1:
+            return self
+        return replace(self, device_bytes=self.device_bytes + self.trainable_bytes)
 
     def block_bytes(self, block_size: int) -> list[int]:
         """Each block's slab size for ``block_size`` layers per block (the strategy's ``layout.nbytes``)."""

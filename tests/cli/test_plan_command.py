@@ -599,3 +599,26 @@ def test_plan_for_block_major_accumulation(tmp_path: Path, capsys: pytest.Captur
     assert windowed["predicted_peak_bytes"] == plain["predicted_peak_bytes"] + extra + 4 * 32 * 2**20
     with pytest.raises(SystemExit, match="--block-major"):
         main(["plan", str(tmp_path), *common, "--block-major", "4", "--offload-activations", "on"])
+
+
+def test_plan_for_several_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--devices N`: VRAM per GPU (plus DDP's gradient buckets), host RAM the machine's: one arena for all ranks."""
+    dims, _ = QWEN25["7b"]
+    config = transformers.Qwen2Config(vocab_size=152064, tie_word_embeddings=False, **dims)
+    one, two = (
+        plan_report(config, tokens=16384, offload_activations=True, loss_chunk_tokens=1024, devices=devices)
+        for devices in (1, 2)
+    )
+    assert two["host_arena_bytes"] == one["host_arena_bytes"] > 0, "one host copy per machine"
+    assert two["offload_host_bytes"] == 2 * one["offload_host_bytes"] > 0, "each rank offloads its own inputs"
+    assert two["host_embedding_bytes"] == 2 * one["host_embedding_bytes"] > 0
+    assert two["host_pinned_bytes"] == two["host_arena_bytes"] + two["offload_host_bytes"]
+    assert one["ddp_bucket_bytes"] == 0 and two["ddp_bucket_bytes"] == two["adapter_bytes"] > 0
+    # Every block streams without a budget: the GPU's peak grows by the buckets alone.
+    assert two["predicted_peak_bytes"] - one["predicted_peak_bytes"] == two["adapter_bytes"]
+    config.save_pretrained(tmp_path)
+    main(["plan", str(tmp_path), "--seq-len", "2048", "--devices", "2"])
+    out = capsys.readouterr().out
+    assert "2 GPUs, one data-parallel rank each" in out and "DDP gradient buckets (per GPU)" in out
+    with pytest.raises(SystemExit):
+        main(["plan", str(tmp_path), "--devices", "0"])
