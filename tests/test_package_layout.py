@@ -1,15 +1,15 @@
-"""The package layout: an acyclic, layered import graph; old module paths still work; old checkpoints resume."""
+"""The package layout: an acyclic, layered import graph; old module paths are gone; old checkpoints are converted."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_blockwise
 from lightning_blockwise.cli import build_cli
@@ -19,7 +19,7 @@ ROOT = PACKAGE.parent
 
 #: Layers from the bottom up: a module may import from its own layer and the layers below, never above.
 LAYERS: list[set[str]] = [
-    {"compat", "_deprecated", "loss"},
+    {"compat", "loss"},
     {"architectures", "tiling"},
     {"planning"},
     {"residency"},
@@ -45,25 +45,6 @@ LAYERS: list[set[str]] = [
     {"__init__", "__main__"},
 ]
 
-#: Module paths before the package grew folders, now deprecated aliases (`_deprecated.alias`).
-OLD_PATHS = {
-    "plan": ("BlockPlan", "lightning_blockwise.planning.blocks"),
-    "remat": ("install", "lightning_blockwise.replay.remat"),
-    "rng": ("RngSnapshot", "lightning_blockwise.replay.rng"),
-    "capture": ("LayerCall", "lightning_blockwise.replay.capture"),
-    "host": ("layout_block", "lightning_blockwise.residency.layout"),
-    "arena": ("HostArena", "lightning_blockwise.residency.arena"),
-    "streamer": ("BlockStreamer", "lightning_blockwise.residency.streamer"),
-    "placement": ("HostCopy", "lightning_blockwise.residency.placement"),
-    "embedding": ("HostEmbedding", "lightning_blockwise.residency.embedding"),
-    "sizing": ("model_sizes", "lightning_blockwise.planning.sizing"),
-    "loader": ("load_blockwise", "lightning_blockwise.loading.load"),
-    "finetune": ("CausalLMFineTune", "lightning_blockwise.recipes.finetune"),
-    "data": ("InstructionDataModule", "lightning_blockwise.recipes.data"),
-    "random_init": ("random_nf4_model", "lightning_blockwise.recipes.random_init"),
-    "demo": ("DemoCausalLM", "lightning_blockwise.demos.tiny"),
-}
-
 
 def _unit(module: str) -> str:
     """The layer unit of a dotted module name inside the package (its folder, or its file)."""
@@ -81,8 +62,6 @@ def _modules() -> dict[str, ast.Module]:
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        if name.split(".")[-1] in OLD_PATHS and len(parts) == 2:
-            continue  # a deprecated alias
         found[name] = ast.parse(path.read_text())
     return found
 
@@ -153,26 +132,31 @@ def test_callbacks_import_no_private_names() -> None:
                 assert not private, f"{name} imports {private} from {node.module}"
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_old_module_paths_still_work_and_say_where_they_went(old: str) -> None:
-    name, new = OLD_PATHS[old]
-    sys.modules.pop(f"lightning_blockwise.{old}", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(f"lightning_blockwise.{old}")
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
-    assert any(issubclass(w.category, DeprecationWarning) and new.rsplit(".", 1)[0] in str(w.message) for w in caught)
-    with pytest.raises(AttributeError):
-        module.no_such_name  # noqa: B018
+def test_the_flat_module_paths_are_gone() -> None:
+    flat = ["arena", "capture", "data", "demo", "embedding", "finetune", "host", "loader", "placement", "plan"]
+    flat += ["random_init", "remat", "rng", "sizing", "streamer", "_deprecated"]
+    for old in flat:
+        assert not (PACKAGE / f"{old}.py").exists(), old
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"lightning_blockwise.{old}")
 
 
-def test_checkpoint_written_before_the_move_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_written_before_the_move_is_refused_then_resumes_once_converted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A demo checkpoint of the flat layout (its hyperparameters name `lightning_blockwise.demo.DemoCausalLM`)."""
-    checkpoint = ROOT / "tests" / "data" / "demo-before-layout.ckpt"
-    saved = torch.load(checkpoint, weights_only=True)
+    saved = torch.load(ROOT / "tests" / "data" / "demo-before-layout.ckpt", weights_only=True)
     assert saved["hyper_parameters"]["_class_path"] == "lightning_blockwise.demo.DemoCausalLM"
+    checkpoint = tmp_path / "old.ckpt"
+    torch.save(saved, checkpoint)
     monkeypatch.setattr(sys, "argv", ["lightning-blockwise"])
     args = ["fit", "--config", str(ROOT / "configs" / "demo.yaml"), f"--ckpt_path={checkpoint}"]
+    with pytest.raises(MisconfigurationException, match=r"`lightning_blockwise\.demos\.tiny\.DemoCausalLM`") as refused:
+        build_cli([*args, "--trainer.max_steps=1"])
+    assert "lightning_blockwise.demo.DemoCausalLM" in str(refused.value)
+    # The conversion the message gives.
+    saved["hyper_parameters"]["_class_path"] = "lightning_blockwise.demos.tiny.DemoCausalLM"
+    torch.save(saved, checkpoint)
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args += ["--trainer.max_steps=3", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
     args += ["--data.init_args.batch_size=2", "--trainer.num_sanity_val_steps=0"]

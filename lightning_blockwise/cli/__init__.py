@@ -35,6 +35,7 @@ from typing_extensions import override
 # before the parser resolves `trainer.strategy`.
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
+from lightning_blockwise.cli.old_class_paths import refuse_removed_class_path
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
 from lightning_blockwise.compat.versions import VERSIONS_COMMAND, versions_command
 
@@ -195,6 +196,9 @@ class _BlockwiseCLI(LightningCLI):
     @override
     def _parse_ckpt_path(self) -> None:
         parsed = self.config
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and _is_local_path(str(ckpt_path)) and Path(ckpt_path).is_file():
+            refuse_removed_class_path(ckpt_path)
         super()._parse_ckpt_path()
         if self.config is parsed:
             return  # no checkpoint, or one without hyperparameters

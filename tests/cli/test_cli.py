@@ -213,8 +213,6 @@ def test_config_comments_name_files_and_classes_that_exist(config: Path) -> None
     text = config.read_text(encoding="utf-8")
     for path in re.findall(r"\b((?:lightning_blockwise|benchmarks|data)/[\w/]+\.py)\b", text):
         assert (ROOT / path).is_file(), f"{config.name} names {path}, which does not exist"
-        # An old path still exists as an alias of the module that moved (lightning_blockwise/_deprecated.py).
-        assert "_deprecated import alias" not in (ROOT / path).read_text(), f"{config.name} names the old {path}"
     for dotted in re.findall(r"\b(lightning_blockwise(?:\.\w+)+)", text):
         module, _, name = dotted.rpartition(".")
         assert hasattr(importlib.import_module(module), name), f"{config.name} names {dotted}"

@@ -1,5 +1,0 @@
-"""Deprecated: moved to :mod:`lightning_blockwise.replay.remat`; old imports and class paths still work."""
-
-from lightning_blockwise._deprecated import alias
-
-__getattr__ = alias(__name__, "lightning_blockwise.replay.remat")
