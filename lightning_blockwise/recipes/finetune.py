@@ -84,13 +84,18 @@ class CausalLMFineTune(pl.LightningModule):
         mlp_tile_tokens: Run every decoder layer's MLP this many tokens at a time
             (:func:`~lightning_blockwise.tiling.tile_mlps`; long context, slower per step); ``None``: untiled.
             Like the chunked loss, it applies under every strategy (NOTE [ Tiled MLP ] in tiling.py).
+        adapter_path: A PEFT adapter directory (an earlier run's export, ``<log_dir>/adapter``) to start from
+            instead of fresh adapters: to continue training it, or to ``validate`` or ``test`` it. The adapter's own
+            ``adapter_config.json`` then decides the rank, alpha, dropout, targets and DoRA (the LoRA arguments above
+            are ignored); ``checkpoint``, ``compute_dtype`` and ``quantize`` must be those it was trained with.
 
     Both long-context options are also the attributes ``loss_chunk_tokens`` and ``mlp_tile_tokens``,
     which :class:`BlockwiseStrategy`'s planner reads.
 
     Raises:
         MisconfigurationException: If ``loader`` is not one of its choices, or ``loss_chunk_tokens`` or
-            ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1.
+            ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1, or (when the model is built,
+            before the base loads) ``adapter_path`` holds no ``adapter_config.json``.
 
     Example::
 
@@ -118,6 +123,7 @@ class CausalLMFineTune(pl.LightningModule):
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
         quantize: bool = True,
+        adapter_path: str | None = None,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -146,6 +152,9 @@ class CausalLMFineTune(pl.LightningModule):
         if self.model is not None:
             return
         hp = self.hparams
+        if hp.adapter_path is not None:
+            # Before the base loads (minutes at 72B), not after.
+            _check_adapter_dir(hp.adapter_path)
         strategy = self.trainer.strategy if self._trainer is not None else None
         device = strategy.root_device if strategy is not None else torch.device("cpu")
         dtype = getattr(torch, hp.compute_dtype)
@@ -177,15 +186,19 @@ class CausalLMFineTune(pl.LightningModule):
                 dtype=dtype,
                 local_files_only=True,
             )
-        lora = LoraConfig(
-            r=hp.lora_r,
-            lora_alpha=hp.lora_alpha,
-            lora_dropout=hp.lora_dropout,
-            target_modules=_decoder_linears(base, hp.target_modules),
-            use_dora=hp.use_dora,
-            task_type="CAUSAL_LM",
-        )
-        self.model = get_peft_model(base, lora)
+        if hp.adapter_path is not None:
+            # The adapter's own config decides its shape; trainable, so that `fit` continues it.
+            self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True, local_files_only=True)
+        else:
+            lora = LoraConfig(
+                r=hp.lora_r,
+                lora_alpha=hp.lora_alpha,
+                lora_dropout=hp.lora_dropout,
+                target_modules=_decoder_linears(base, hp.target_modules),
+                use_dora=hp.use_dora,
+                task_type="CAUSAL_LM",
+            )
+            self.model = get_peft_model(base, lora)
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)
@@ -204,6 +217,12 @@ class CausalLMFineTune(pl.LightningModule):
         """The validation loss, averaged over the epoch."""
         loss = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The test loss, averaged over the epoch."""
+        loss = self._loss(batch)
+        self.log("test_loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
@@ -293,6 +312,15 @@ def _random_dense(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """
     with torch.device("cpu"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+
+
+def _check_adapter_dir(path: str) -> None:
+    """Refuse an ``adapter_path`` that is not a PEFT adapter directory, saying what it should hold."""
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise MisconfigurationException(
+            f"CausalLMFineTune(adapter_path={path!r}) holds no adapter_config.json. Give a PEFT adapter directory,"
+            " e.g. a run's `<log_dir>/adapter` or `lightning-blockwise export RUN.ckpt BASE OUT`'s OUT."
+        )
 
 
 def _check_count(name: str, value: int | None, example: str) -> None:
