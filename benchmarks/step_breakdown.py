@@ -47,13 +47,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from benchmarks.step_benchmark import SHAPES, BenchModule, build_model, forward_nograd, run_arm
-from lightning_blockwise import BlockwiseStrategy, streamed_stack
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.profiling.trace import Trace
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.remat import RematLayer
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.base import Pass
 from lightning_blockwise.residency.streamer import BlockStreamer
+from lightning_blockwise.strategy import streamed_stack
 
 RESIDENT = "resident"
 BLOCKWISE = "blockwise:1:2"  # the defaults, named as step_benchmark names them

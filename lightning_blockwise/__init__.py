@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError, SampleGenerations
 from lightning_blockwise.loading.load import load_blockwise
-from lightning_blockwise.strategy import BlockwiseStrategy
+from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
 BlockwiseStrategy.register_strategies(StrategyRegistry)
 

@@ -31,11 +31,11 @@ from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.accumulation import BlockMajorSteps, _differs, refuse_unsupported
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.strategy.accumulation import BlockMajorSteps, _differs, refuse_unsupported
 from tests.helpers.models import (
     CONFIGS,
     SEQ,

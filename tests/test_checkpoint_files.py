@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_blockwise import checkpointing
-from lightning_blockwise.checkpointing import remove_stale_temporaries, save_unbuffered
+from lightning_blockwise.strategy import checkpointing
+from lightning_blockwise.strategy.checkpointing import remove_stale_temporaries, save_unbuffered
 
 # A writer killed halfway through its temporary file, as SIGKILL or the OOM killer would.
 _KILLED_WRITER = """
 import os, signal, sys, torch
 from pathlib import Path
-from lightning_blockwise.checkpointing import save_unbuffered
+from lightning_blockwise.strategy.checkpointing import save_unbuffered
 
 def half_then_die(obj, name):
     with open(name, "wb") as f:
@@ -130,7 +130,7 @@ def test_a_bad_ckpt_path_is_refused_naming_the_file(tmp_path: Path, kind: str, s
 
 
 def test_control_a_good_checkpoint_file_passes_the_check(tmp_path: Path) -> None:
-    from lightning_blockwise.checkpointing import check_checkpoint_file
+    from lightning_blockwise.strategy.checkpointing import check_checkpoint_file
 
     _bad_files(tmp_path)
     check_checkpoint_file(tmp_path / "good.ckpt")

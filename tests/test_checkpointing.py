@@ -14,9 +14,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.checkpoint_hooks import CheckpointHooks
-from lightning_blockwise.checkpointing import CHECKPOINT_KEY, BaseKeys
 from lightning_blockwise.replay.rng import GlobalRngState
+from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY, BaseKeys
 from tests.helpers.models import (
     CausalLMModule,
     RunResult,

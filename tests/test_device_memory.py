@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_blockwise.device_memory import apply_cap, blas_workspace_bytes, check_cap, expandable_segments_choice
+from lightning_blockwise.strategy.device_memory import (
+    apply_cap,
+    blas_workspace_bytes,
+    check_cap,
+    expandable_segments_choice,
+)
 
 CARD = 80 * 2**30
 DEVICE = torch.device("cuda", 0)

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.step_budget import StepPlan
+from lightning_blockwise.strategy.step_budget import StepPlan
 from tests.helpers.models import (
     SEQ,
     CausalLMModule,
@@ -184,7 +184,7 @@ def test_parity_check_rematerializes_the_kept_blocks(
     from lightning_blockwise import ParityCheck
     from lightning_blockwise.replay import remat
     from lightning_blockwise.replay.rng import RngSnapshot
-    from lightning_blockwise.streamed_stack import StreamedStack
+    from lightning_blockwise.strategy.streamed_stack import StreamedStack
     from lightning_blockwise.verification import check as verification_check
     from lightning_blockwise.verification.result import ParityError
 

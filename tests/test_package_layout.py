@@ -24,20 +24,29 @@ LAYERS: list[set[str]] = [
     {"planning"},
     {"residency"},
     {"replay"},
-    # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out.
-    {"checkpointing", "device_memory", "loading", "sizing", "streamed_stack", "step_budget"},
+    # Sizes from a config alone walk a layer's frozen tensors as the arena lays them out. The strategy's parts
+    # are units of their own (`strategy.<module>`), in three floors.
+    {
+        "loading",
+        "sizing",
+        "strategy.checkpointing",
+        "strategy.device_memory",
+        "strategy.rank_watchdog",
+        "strategy.streamed_stack",
+        "strategy.step_budget",
+    },
     # What the strategy delegates to: its step plan over the run and the step it times, its checkpoints, where
     # the module goes, DDP, block-major windows, and what callbacks ask it.
     {
-        "step_planner",
-        "step_timing",
-        "checkpoint_hooks",
-        "module_placement",
-        "data_parallel",
-        "accumulation",
-        "strategy_queries",
+        "strategy.step_planner",
+        "strategy.step_timing",
+        "strategy.checkpoint_hooks",
+        "strategy.module_placement",
+        "strategy.data_parallel",
+        "strategy.accumulation",
+        "strategy.queries",
     },
-    {"strategy", "options"},
+    {"strategy", "strategy.blockwise", "strategy.options"},
     {"verification", "profiling"},
     {"callbacks"},
     {"recipes", "demos"},
@@ -54,7 +63,10 @@ def _unit(module: str) -> str:
         "lightning_blockwise.planning.footprint",
     ):
         return "sizing"
-    return module.split(".")[1] if "." in module else "__init__"
+    parts = module.split(".")
+    if parts[1:2] == ["strategy"] and len(parts) > 2:
+        return f"strategy.{parts[2]}"
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def _modules() -> dict[str, ast.Module]:

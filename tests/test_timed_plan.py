@@ -19,11 +19,12 @@ import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, step_planner
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.planning import ResidencyPlan
 from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.step_budget import StepBudget
+from lightning_blockwise.strategy import step_planner
+from lightning_blockwise.strategy.step_budget import StepBudget
 from tests.helpers.models import (
     SEQ,
     CausalLMModule,

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_blockwise.planning import parse_bytes
-from lightning_blockwise.strategy import BlockwiseStrategy
+from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 from lightning_blockwise.verification import ParityError, ParityResult, TensorMismatch, check_step, first_batch
 
 

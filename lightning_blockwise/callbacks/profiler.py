@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_blockwise.profiling.report import Profile, draw_timeline, write_summary
 from lightning_blockwise.profiling.trace import BatchTracer, Timeline
-from lightning_blockwise.strategy import BlockwiseStrategy
+from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
 
 def _input_ids_numel(batch: Any) -> int | None:

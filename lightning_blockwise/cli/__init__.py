@@ -37,6 +37,7 @@ import lightning_blockwise  # noqa: F401
 from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
 from lightning_blockwise.cli.old_class_paths import refuse_removed_class_path
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
+from lightning_blockwise.cli.progress_bar_flag import drop_progress_bars
 from lightning_blockwise.compat.versions import VERSIONS_COMMAND, versions_command
 
 #: What ``lightning-blockwise --help`` says: every command, LightningCLI's and the two dispatched by `main`.
@@ -210,11 +211,15 @@ class _BlockwiseCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Refuse a ``--ckpt_path`` that does not exist before the model is built: loading a base can take minutes.
 
+        Also leaves out a config's progress-bar callback under ``--trainer.enable_progress_bar=false``
+        (:func:`~lightning_blockwise.cli.progress_bar_flag.drop_progress_bars`).
+
         Raises:
             MisconfigurationException: If ``--ckpt_path`` names a local path that does not exist.
         """
         if self.subcommand is None:
             return
+        drop_progress_bars(self.config[self.subcommand].trainer)
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if ckpt_path is None or not _is_local_path(str(ckpt_path)) or Path(ckpt_path).exists():
             return

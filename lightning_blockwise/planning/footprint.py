@@ -15,7 +15,7 @@ from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
 from lightning_blockwise.planning.memory import HOPPER_BLAS_WORKSPACE
 from lightning_blockwise.residency.arena import slab_offsets
 from lightning_blockwise.residency.layout import ALIGNMENT, tensor_offsets
-from lightning_blockwise.step_budget import StepBudget, blas_threads
+from lightning_blockwise.strategy.step_budget import StepBudget, blas_threads
 
 
 def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:

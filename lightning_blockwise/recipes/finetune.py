@@ -25,10 +25,11 @@ from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
+from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.recipes.schedules import warmup_cosine
-from lightning_blockwise.strategy import BlockwiseStrategy
+from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 from lightning_blockwise.tiling import tile_mlps
 
 _LOADERS = ("auto", "standard", "blockwise")
@@ -64,6 +65,11 @@ class CausalLMFineTune(pl.LightningModule):
             must be unquantized.
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay.
+        optimizer: ``"adamw"``: torch's AdamW, fp32 moments (8 bytes a trainable parameter);
+            ``"adamw8bit"``: bitsandbytes' ``AdamW8bit``, 8-bit moments (~2 bytes a parameter; adapter
+            matrices under 4096 elements keep fp32 ones); ``"paged_adamw8bit"``: ``PagedAdamW8bit``, the same
+            in CUDA unified memory that pages to host RAM under pressure (NOTE [ 8-bit AdamW ] in
+            compat/bitsandbytes/optimizers.py). Each trains blockwise exactly as resident.
         warmup_steps: Optimizer steps of linear warmup before the cosine decay.
         min_lr_ratio: Final learning rate as a fraction of the peak.
         adapter_dir: Where to export the adapter at the end of fitting; ``None``: ``<log_dir>/adapter``. Written
@@ -93,7 +99,7 @@ class CausalLMFineTune(pl.LightningModule):
     which :class:`BlockwiseStrategy`'s planner reads.
 
     Raises:
-        MisconfigurationException: If ``loader`` is not one of its choices, or ``loss_chunk_tokens`` or
+        MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, or ``loss_chunk_tokens`` or
             ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1, or (when the model is built,
             before the base loads) ``adapter_path`` holds no ``adapter_config.json``.
 
@@ -114,6 +120,7 @@ class CausalLMFineTune(pl.LightningModule):
         compute_dtype: str = "bfloat16",
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
+        optimizer: str = "adamw",
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         adapter_dir: str | None = None,
@@ -129,6 +136,10 @@ class CausalLMFineTune(pl.LightningModule):
         if loader not in _LOADERS:
             raise MisconfigurationException(
                 f"CausalLMFineTune(loader={loader!r}): choose one of {', '.join(map(repr, _LOADERS))}."
+            )
+        if optimizer not in OPTIMIZERS:
+            raise MisconfigurationException(
+                f"CausalLMFineTune(optimizer={optimizer!r}): choose one of {', '.join(map(repr, OPTIMIZERS))}."
             )
         _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
         _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
@@ -226,10 +237,10 @@ class CausalLMFineTune(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        """AdamW on the adapters, linear warmup then cosine decay over the run's optimizer steps."""
+        """AdamW (``optimizer``) on the adapters, linear warmup then cosine decay over the run's optimizer steps."""
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        optimizer = build_optimizer(hp.optimizer, params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
         scheduler = warmup_cosine(
             optimizer, hp.warmup_steps, int(self.trainer.estimated_stepping_batches), hp.min_lr_ratio
         )

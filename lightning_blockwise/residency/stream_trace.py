@@ -1,7 +1,7 @@
 """Observers of the streamer: a trace of where copies, waits and layer runs begin and end, and a tee.
 
 The profiler (:mod:`lightning_blockwise.profiling.trace`) and the planner's timed step
-(:mod:`lightning_blockwise.step_timing`) both read a :class:`Trace`.
+(:mod:`lightning_blockwise.strategy.step_timing`) both read a :class:`Trace`.
 """
 
 from __future__ import annotations

@@ -21,19 +21,23 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_blockwise.accumulation import (
+from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
+from lightning_blockwise.compat.versions import warn_if_untested
+from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.residency import placement
+from lightning_blockwise.residency.placement import HostCopy
+from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.strategy.accumulation import (
     BlockMajorSteps,
     planned_window,
     refuse_unsupported,
 )
-from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
-from lightning_blockwise.checkpoint_hooks import CheckpointHooks
-from lightning_blockwise.checkpointing import FrozenBase, check_checkpoint_file, save_unbuffered
-from lightning_blockwise.compat.versions import warn_if_untested
-from lightning_blockwise.data_parallel import DataParallelStrategy
-from lightning_blockwise.device_memory import check_cap
-from lightning_blockwise.module_placement import ModulePlacement, shared_copy_key
-from lightning_blockwise.options import (
+from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_blockwise.strategy.checkpointing import FrozenBase, check_checkpoint_file, save_unbuffered
+from lightning_blockwise.strategy.data_parallel import DataParallelStrategy
+from lightning_blockwise.strategy.device_memory import check_cap
+from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
+from lightning_blockwise.strategy.options import (
     budget_bytes,
     check_bool,
     check_count,
@@ -42,14 +46,10 @@ from lightning_blockwise.options import (
     refuse_compiled,
     refuse_cpu_eval_mode_4bit,
 )
-from lightning_blockwise.planning import BlockPlan
-from lightning_blockwise.residency import placement
-from lightning_blockwise.residency.placement import HostCopy
-from lightning_blockwise.residency.streamer import StreamObserver
-from lightning_blockwise.step_budget import DEFAULT_TOKENS, StepBudget, declared_tokens
-from lightning_blockwise.step_planner import StepPlanner, budget_errors
-from lightning_blockwise.strategy_queries import BlockwiseQueries
-from lightning_blockwise.streamed_stack import StreamedStack
+from lightning_blockwise.strategy.queries import BlockwiseQueries
+from lightning_blockwise.strategy.step_budget import DEFAULT_TOKENS, StepBudget, declared_tokens
+from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
+from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 
 class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
@@ -363,7 +363,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a lean or full checkpoint into the set-up module; refuse one of another base.
 
-        See :meth:`~lightning_blockwise.checkpoint_hooks.CheckpointHooks.load`.
+        See :meth:`~lightning_blockwise.strategy.checkpoint_hooks.CheckpointHooks.load`.
 
         Raises:
             MisconfigurationException: If the checkpoint was written over another base, lacks trainable

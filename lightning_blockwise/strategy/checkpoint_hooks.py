@@ -13,9 +13,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_blockwise.checkpointing import CHECKPOINT_KEY, FrozenBase
 from lightning_blockwise.replay.rng import GlobalRngState
-from lightning_blockwise.streamed_stack import StreamedStack
+from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY, FrozenBase
+from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 # NOTE [ Loader state restored late ]
 # Lightning puts a resumed run's loader state back when the fit loop builds its loader

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_blockwise.rank_watchdog import RankWatchdog
+from lightning_blockwise.strategy.rank_watchdog import RankWatchdog
 
 # NOTE [ Data parallel, and one device as before ]
 # With N processes (Trainer `devices`/`num_nodes`, torchrun, SLURM) each rank trains on its own device and PyTorch's

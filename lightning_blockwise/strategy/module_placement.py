@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from lightning_blockwise.architectures import DecoderStack
-from lightning_blockwise.checkpointing import base_fingerprint
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
-from lightning_blockwise.device_memory import DeviceMemoryCap, apply_cap
 from lightning_blockwise.residency import embedding
 from lightning_blockwise.residency.layout import BlockLayout
 from lightning_blockwise.residency.placement import move_rest_to_device
-from lightning_blockwise.step_budget import device_bytes
-from lightning_blockwise.step_planner import budget_errors
+from lightning_blockwise.strategy.checkpointing import base_fingerprint
+from lightning_blockwise.strategy.device_memory import DeviceMemoryCap, apply_cap
+from lightning_blockwise.strategy.step_budget import device_bytes
+from lightning_blockwise.strategy.step_planner import budget_errors
 
 
 class ModulePlacement:

@@ -15,9 +15,9 @@ from lightning_blockwise.planning import ResidencyPlan
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
-from lightning_blockwise.step_budget import StepPlan, reference_headroom
-from lightning_blockwise.step_planner import StepPlanner
-from lightning_blockwise.streamed_stack import StreamedStack
+from lightning_blockwise.strategy.step_budget import StepPlan, reference_headroom
+from lightning_blockwise.strategy.step_planner import StepPlanner
+from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 
 class BlockwiseQueries:
@@ -64,7 +64,8 @@ class BlockwiseQueries:
         """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the run's planned peak.
 
         The slabs of those blocks not resident already plus one layer's autograd graph per layer at the planned
-        tokens (:meth:`~lightning_blockwise.streamed_stack.StreamedStack.prefix_bytes`), in the planner's terms.
+        tokens (:meth:`~lightning_blockwise.strategy.streamed_stack.StreamedStack.prefix_bytes`), in the planner's
+        terms.
 
         Args:
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
@@ -76,7 +77,7 @@ class BlockwiseQueries:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
 
         What ``vram_budget``, the free device memory and a per-process cap leave
-        (:func:`~lightning_blockwise.step_budget.reference_headroom`). Compare it with
+        (:func:`~lightning_blockwise.strategy.step_budget.reference_headroom`). Compare it with
         :meth:`resident_prefix_bytes` to see how many blocks fit.
         """
         assert self.residency_plan is not None

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_blockwise.architectures import find_decoder_stack
-from lightning_blockwise.device_memory import blas_workspace_bytes
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
 from lightning_blockwise.planning.speed import StepTimes
+from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 
 # NOTE [ A budget that sees the batches ]
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens

@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.residency.stream_trace import Tee, Trace
-from lightning_blockwise.step_budget import StepBudget, StepPlan, batch_tokens
-from lightning_blockwise.step_timing import link_rate, step_times
-from lightning_blockwise.streamed_stack import StreamedStack
+from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, batch_tokens
+from lightning_blockwise.strategy.step_timing import link_rate, step_times
+from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 #: The training step (counted from 0) timed for the plan: the first one also pays for warming up
 #: (cuBLAS handles, the allocator's first segments).
@@ -30,7 +30,7 @@ def budget_errors(owner: str) -> Iterator[None]:
 
 
 class StepPlanner:
-    """Holds the run's :class:`~lightning_blockwise.step_budget.StepPlan` and keeps the streamed stack in step with it.
+    """Holds the run's :class:`~.step_budget.StepPlan` and keeps the streamed stack in step with it.
 
     The first plan is made for a declared token count (:meth:`first_plan`, before the stack exists:
     its resident blocks decide which blocks the stack keeps on the device); :meth:`attach` then applies
@@ -161,7 +161,7 @@ class StepPlanner:
     def resident_prefix_bytes(self, num_blocks: int) -> int:
         """Device bytes that running the first ``num_blocks`` blocks resident needs beyond the planned peak.
 
-        See :meth:`~lightning_blockwise.strategy.BlockwiseStrategy.resident_prefix_bytes`.
+        See :meth:`~lightning_blockwise.strategy.blockwise.BlockwiseStrategy.resident_prefix_bytes`.
         """
         assert self._layers is not None and self.plan is not None
         return self._layers.prefix_bytes(num_blocks, self.budget.layer_graph(self.plan.tokens))

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_blockwise.replay.rng import GlobalRngState
-from lightning_blockwise.strategy import BlockwiseStrategy
+from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 from lightning_blockwise.verification.result import DETERMINISM_FIX, ParityResult, TensorMismatch
 
 

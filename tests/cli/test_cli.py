@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -285,3 +286,24 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             main([command, "--help"])
         assert exit_info.value.code == 0
         assert capsys.readouterr().out.startswith(f"usage: lightning-blockwise {usage} ")
+
+
+BAD_FILES = {
+    "empty": (lambda path: path.write_bytes(b""), "is empty"),
+    "truncated": (lambda path: path.write_bytes(b"PK\x03\x04 cut short"), "is not a complete `torch.save` file"),
+    "foreign": (lambda path: torch.save({"weights": torch.zeros(2)}, path), "is not a Lightning checkpoint"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_a_bad_ckpt_path_file_is_refused_before_the_model_is_made(
+    tmp_path: Path,
+    built: list[str],
+    kind: str,
+) -> None:
+    write, problem = BAD_FILES[kind]
+    path = tmp_path / "last.ckpt"
+    write(path)
+    with pytest.raises(MisconfigurationException, match=re.escape(f"`ckpt_path` {str(path)!r}") + ".*" + problem):
+        build_cli(["fit", "--config", str(DEMO_CONFIG), *_into(tmp_path), f"--ckpt_path={path}"])
+    assert built == [], "refused while parsing, before the model (and its base) is made"

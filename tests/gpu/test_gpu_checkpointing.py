@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.checkpointing import is_quantization_metadata
+from lightning_blockwise.strategy.checkpointing import is_quantization_metadata
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     CausalLMModule,

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, step_planner
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.replay import remat
+from lightning_blockwise.strategy import step_planner
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     RunResult,

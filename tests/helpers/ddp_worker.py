@@ -23,11 +23,12 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
-from lightning_blockwise import BlockwiseStrategy, data_parallel, load_blockwise
+from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck
-from lightning_blockwise.checkpointing import CHECKPOINT_KEY
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.residency.placement import host_copy_of
+from lightning_blockwise.strategy import data_parallel
+from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     TARGETS,

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed
 
-from lightning_blockwise.rank_watchdog import RankWatchdog
+from lightning_blockwise.strategy.rank_watchdog import RankWatchdog
 
 
 def main() -> None:
