@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.callbacks.progress_bar import EpochProgressBar, planned_epochs
 from lightning_blockwise.cli import build_cli
 from lightning_blockwise.demos.progressions import DemoDataModule
 from lightning_blockwise.demos.tiny import DemoCausalLM, build_base_model
@@ -138,13 +140,16 @@ def test_vocab_mismatch_is_refused_before_building(tmp_path: Path) -> None:
 
 
 def test_demo_config_counts_the_epochs_its_steps_take(tmp_path: Path) -> None:
-    """The progress bar shows `Epoch <n>/<max_epochs - 1>`: with max_steps alone Lightning's max_epochs is -1."""
+    """The progress bar shows `Epoch <n>/3`: the epochs max_steps takes (Lightning's own bars: `Epoch 2/-2`)."""
     into = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     cli = build_cli(["--config", str(DEMO_CONFIG), *into], run=False)
+    assert isinstance(cli.trainer.progress_bar_callback, EpochProgressBar) and cli.trainer.max_epochs is None
     cli.datamodule.setup("fit")
     batches = len(cli.datamodule.train_dataloader())
     steps_per_epoch = math.ceil(batches / cli.trainer.accumulate_grad_batches)
-    assert cli.trainer.max_epochs == math.ceil(cli.trainer.max_steps / steps_per_epoch) == 3
+    # What `num_training_batches` is once fit has set the loaders up.
+    with mock.patch.object(type(cli.trainer), "num_training_batches", batches):
+        assert planned_epochs(cli.trainer) == math.ceil(cli.trainer.max_steps / steps_per_epoch) == 3
 
 
 def _metric(rows: list[dict[str, str]], key: str) -> list[float]:
@@ -180,6 +185,9 @@ def test_demo_fit_lowers_the_loss_and_saves_a_loadable_adapter(tmp_path: Path) -
     assert _metric(rows, "parity/checked_layers") == [float(cli.model.hparams.num_hidden_layers)]
     summary = json.loads((log_dir / "blockwise_profile.json").read_text())
     assert summary["h2d_bytes_per_step"] > 0 and summary["step_time_s"] > 0
+    # MetricsPlot drew the losses (`--trainer.enable_progress_bar=false` left only the config's bar out).
+    assert (log_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert cli.trainer.progress_bar_callback is None
 
     # The adapter loads back onto a freshly built base with every weight equal.
     adapter_dir = log_dir / "adapter"

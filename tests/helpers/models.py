@@ -315,3 +315,17 @@ def runs_differ(a: RunResult, b: RunResult) -> bool:
     except AssertionError:
         return True
     return False
+
+
+class LoggingModule(CausalLMModule):
+    """:class:`CausalLMModule` logging ``train_loss`` (in the progress bar) and ``val_loss``, as the recipes do."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = super().validation_step(batch, batch_idx)
+        self.log("val_loss", loss)
+        return loss
