@@ -31,6 +31,7 @@ from lightning_blockwise.recipes.export import export_adapter
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.tiling import TiledMLP
+from tests.helpers.chat import save_adapter
 from tests.helpers.models import CONFIGS as MODEL_CONFIGS
 from tests.helpers.models import VOCAB, trainer
 
@@ -344,3 +345,65 @@ def test_a_resume_with_nothing_left_to_train_exports_the_restored_adapter(
     export_adapter(fresh.model, tmp_path / "fresh")
     untrained = load_file(tmp_path / "fresh" / "adapter_model.safetensors")
     assert any(not torch.equal(untrained[name], value) for name, value in expected.items())
+
+
+def _evaluated(checkpoint: Path, strategy: object, tmp_path: Path, adapter: Path) -> tuple[Tensor, Tensor]:
+    """``val_loss`` and ``test_loss`` of the recipe started from ``adapter``, on two batches each."""
+    module = CausalLMFineTune(str(checkpoint), lora_r=4, compute_dtype="float32", adapter_path=str(adapter))
+    evaluator = trainer(strategy, limit_val_batches=2, limit_test_batches=2, default_root_dir=tmp_path)
+    evaluator.validate(module, datamodule=_tokens())
+    val = evaluator.callback_metrics["val_loss"].clone()
+    # The training batches as the test set (the data module has none of its own).
+    evaluator.test(module, dataloaders=_tokens().train_dataloader())
+    return val, evaluator.callback_metrics["test_loss"].clone()
+
+
+def test_adapter_path_continues_validates_and_tests_as_resident(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """`adapter_path`: training continues from the exported adapter, and `validate`/`test` score it, exactly.
+
+    Controls: fresh adapters train to other losses, and another adapter scores other losses.
+    """
+    adapter = save_adapter(checkpoints["llama"], tmp_path / "adapter", seed=1)
+    other = save_adapter(checkpoints["llama"], tmp_path / "other", seed=2)
+    resident = _long_context_run(checkpoints["llama"], "auto", tmp_path / "r", adapter_path=str(adapter))
+    blockwise = _long_context_run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "b", adapter_path=str(adapter))
+    assert len(resident) == 3 and torch.equal(resident, blockwise), f"{resident.tolist()} vs {blockwise.tolist()}"
+    fresh = _long_context_run(checkpoints["llama"], "auto", tmp_path / "fresh")
+    assert not torch.equal(fresh[0], resident[0])
+
+    scores = _evaluated(checkpoints["llama"], "auto", tmp_path / "ve", adapter)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            scores, _evaluated(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "vb", adapter), strict=True
+        )
+    )
+    assert not any(
+        torch.equal(a, b)
+        for a, b in zip(scores, _evaluated(checkpoints["llama"], "auto", tmp_path / "vo", other), strict=True)
+    )
+
+
+def test_adapter_path_takes_the_adapters_shape(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The adapter's config decides rank, alpha and targets; its weights are the saved ones, trainable."""
+    adapter = save_adapter(checkpoints["llama"], tmp_path / "adapter", seed=1)
+    module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=8, compute_dtype="float32", adapter_path=str(adapter))
+    module.configure_model()
+    config = module.model.peft_config["default"]
+    assert (config.r, config.lora_alpha, sorted(config.target_modules)) == (4, 16, ["down_proj", "q_proj", "v_proj"])
+    saved = load_file(adapter / "adapter_model.safetensors")
+    loaded = {n.replace(".default", ""): p for n, p in module.model.named_parameters() if "lora_" in n}
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[n], p.detach()) and p.requires_grad for n, p in loaded.items())
+
+
+def test_an_adapter_path_without_an_adapter_is_refused_before_the_base_loads(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    module = CausalLMFineTune(str(checkpoints["llama"]), compute_dtype="float32", adapter_path=str(tmp_path))
+    with (
+        mock.patch("lightning_blockwise.recipes.finetune.AutoModelForCausalLM.from_pretrained") as loaded,
+        pytest.raises(MisconfigurationException, match=r"holds no adapter_config\.json\. Give a PEFT"),
+    ):
+        module.configure_model()
+    assert loaded.call_count == 0
