@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.architectures import find_decoder_stack
-from lightning_blockwise.loss import chunked_causal_lm_loss
-from lightning_blockwise.tiling import tile_mlps, untile
+from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.tiling import tile_mlps, untile
 
 CHUNK = 1024
 TILE = 4096

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from tests.helpers.models import CausalLMModule, assert_equal_runs, build_model, fit, padded_batches, runs_differ
 
 #: A cap that bites: the tiny models' logits reach about 0.4, where Gemma 2's default cap of 30 is nearly linear.

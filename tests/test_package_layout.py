@@ -19,8 +19,9 @@ ROOT = PACKAGE.parent
 
 #: Layers from the bottom up: a module may import from its own layer and the layers below, never above.
 LAYERS: list[set[str]] = [
-    {"compat", "loss"},
-    {"architectures", "tiling"},
+    {"compat"},
+    {"architectures"},
+    {"longcontext"},
     {"planning"},
     {"residency"},
     {"replay"},

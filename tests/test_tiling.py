@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.tiling import TiledMLP, tile_mlps, untile
+from lightning_blockwise.longcontext.tiling import TiledMLP, tile_mlps, untile
 from tests.helpers.models import (
     NUM_LAYERS,
     SEQ,

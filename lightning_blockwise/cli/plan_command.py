@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
-from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
+from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.planning import parse_bytes
 from lightning_blockwise.planning.recommend import (
     CUDA_CONTEXT_RESERVE,
@@ -121,9 +121,9 @@ def plan_report(
         offload_activations: The strategy's ``offload_activations``: ``None`` turns offload on when the step does
             not fit (the budget, else the card) without it.
         loss_chunk_tokens: Rows of logits the module's loss builds at a time
-            (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
-        mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (:func:`~lightning_blockwise.tiling.tile_mlps`);
-            ``None``: untiled.
+            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
+        mlp_tile_tokens: Tokens per tile of the module's tiled MLPs
+            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
         quantize: ``False``: a dense base in ``dtype`` (``load_blockwise(quantize=False)``,
             ``CausalLMFineTune(quantize=False)``); else NF4 with double quantization.
         block_major: ``accumulate_grad_batches`` of a run with ``block_major_accumulation=True`` (the window's

@@ -54,10 +54,10 @@ class StepShape:
         activation_bytes: Bytes per activation element (2 under bf16 autocast).
         offload_inputs: Layer inputs wait for the backward in host memory (not on the device).
         loss_chunk_tokens: Rows of logits the module's loss builds at a time
-            (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
+            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
             as Hugging Face's loss does.
         mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
-            (:func:`~lightning_blockwise.tiling.tile_mlps`); ``None``: untiled.
+            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
         adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
             holds); assumed when unknown.
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning_blockwise.loss import DEFAULT_CHUNK_TOKENS
+from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
+from lightning_blockwise.longcontext.tiling import DEFAULT_TILE_TOKENS
 from lightning_blockwise.planning import ResidencyPlan
-from lightning_blockwise.tiling import DEFAULT_TILE_TOKENS
 
 if TYPE_CHECKING:
     # Only for annotations: `sizing` re-exports this module's names, so importing it here would be a cycle.
@@ -30,8 +30,8 @@ CUDA_CONTEXT_RESERVE = 2**30
 #: fewer, larger copies made it 6-15% faster per step on the H100 (``benchmarks/RESULTS.md``).
 _BLOCK_SIZE_2_TOLERANCE = 1.10
 _BUDGET_STEP = 2**30 // 10
-#: The MLP tile recommended where nothing else fits: :func:`~lightning_blockwise.tiling.tile_mlps`' default, the
-#: tile measured in ``benchmarks/RESULTS.md`` ("Long context").
+#: The MLP tile recommended where nothing else fits: :func:`~lightning_blockwise.longcontext.tiling.tile_mlps`'
+#: default, the tile measured in ``benchmarks/RESULTS.md`` ("Long context").
 RECOMMENDED_MLP_TILE_TOKENS = DEFAULT_TILE_TOKENS
 
 
@@ -48,9 +48,9 @@ class Recommendation:
         minimum: The smallest budget of ``block_size=1`` (every block streamed) with the options below.
         offload_activations: The ``offload_activations`` to set: layer inputs wait for the backward in host memory.
         loss_chunk_tokens: Rows of logits the module's loss should build at a time
-            (:func:`~lightning_blockwise.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
+            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
         mlp_tile_tokens: Tokens per tile the module's MLPs should run in
-            (:func:`~lightning_blockwise.tiling.tile_mlps`); ``None``: untiled.
+            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
         offload_host_bytes: Host bytes the offloaded layer inputs take (0 with offload off).
     """
 
@@ -103,7 +103,7 @@ def recommend(
 
     Only when even every block streamed does not fit is the step made smaller (NOTE [ Long-context
     options ]): the layer inputs offloaded to host memory (unless ``offload`` is ``False``), else the
-    chunked loss at :data:`~lightning_blockwise.loss.DEFAULT_CHUNK_TOKENS` rows (unless
+    chunked loss at :data:`~lightning_blockwise.longcontext.loss.DEFAULT_CHUNK_TOKENS` rows (unless
     ``loss_chunk_tokens`` is given), without offload and then with it; last, with both, the MLPs tiled in
     :data:`RECOMMENDED_MLP_TILE_TOKENS` tokens (unless ``mlp_tile_tokens`` is given).
 

@@ -23,14 +23,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
-from lightning_blockwise.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.export import check_export_target, export_adapter
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
-from lightning_blockwise.tiling import tile_mlps
 
 _LOADERS = ("auto", "standard", "blockwise")
 
@@ -84,12 +84,13 @@ class CausalLMFineTune(pl.LightningModule):
             :func:`~lightning_blockwise.recipes.random_init.random_nf4_model`, or with ``quantize=False`` a
             dense model built on the CPU. Seeded by ``seed_everything``.
         loss_chunk_tokens: Train and validate on
-            :func:`~lightning_blockwise.loss.chunked_causal_lm_loss` with this many rows of logits at a time,
-            never the full-vocabulary logits (long context); ``None``: the model's own loss. It changes the
-            rounding, so it applies under every strategy (NOTE [ Chunked loss ] in loss.py).
+            :func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss` with this many rows of logits at a
+            time, never the full-vocabulary logits (long context); ``None``: the model's own loss. It changes the
+            rounding, so it applies under every strategy (NOTE [ Chunked loss ] in longcontext/loss.py).
         mlp_tile_tokens: Run every decoder layer's MLP this many tokens at a time
-            (:func:`~lightning_blockwise.tiling.tile_mlps`; long context, slower per step); ``None``: untiled.
-            Like the chunked loss, it applies under every strategy (NOTE [ Tiled MLP ] in tiling.py).
+            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`; long context, slower per step); ``None``:
+            untiled. Like the chunked loss, it applies under every strategy (NOTE [ Tiled MLP ] in
+            longcontext/tiling.py).
         adapter_path: A PEFT adapter directory (an earlier run's export, ``<log_dir>/adapter``) to start from
             instead of fresh adapters: to continue training it, or to ``validate`` or ``test`` it. The adapter's own
             ``adapter_config.json`` then decides the rank, alpha, dropout, targets and DoRA (the LoRA arguments above

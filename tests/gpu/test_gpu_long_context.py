@@ -14,7 +14,7 @@ import torch
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     assert_equal_runs,

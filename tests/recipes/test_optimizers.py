@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from bitsandbytes.optim import AdamW8bit, PagedAdamW8bit
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.cli import main
 from lightning_blockwise.compat.bitsandbytes.optimizers import MIN_8BIT_SIZE
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
@@ -23,6 +26,7 @@ from tests.helpers.models import VOCAB, trainer
 #: Rank 128 on the tiny llama (hidden 32, MLP 64, 16-wide k/v): q/o/gate/up/down adapter matrices have 4096 or 8192
 #: elements and get 8-bit moments, k/v's B matrices (2048) keep fp32 ones, so both kinds of state are exercised.
 RANK = 128
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 RESUME_AT = 2
 
@@ -34,6 +38,19 @@ def test_optimizer_choices_are_checked_by_the_constructor() -> None:
     # Control: every listed name is taken (the checkpoint is only read when the model is built).
     for name in OPTIMIZERS:
         assert CausalLMFineTune("/no/such/checkpoint", optimizer=name).hparams.optimizer == name
+
+
+def test_every_model_config_names_the_optimizer(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-blockwise"])
+    for config in sorted((ROOT / "configs").glob("*.yaml")):
+        if config.stem == "demo":  # the demo trains its own module (DemoCausalLM), with torch's AdamW
+            continue
+        assert yaml.safe_load(config.read_text(encoding="utf-8"))["model"]["init_args"]["optimizer"] == "adamw"
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--model.init_args.optimizer=adamw8bit", "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["optimizer"] == "adamw8bit"
 
 
 def test_build_optimizer_by_name() -> None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers.masking_utils import find_packed_sequence_indices
 
 from benchmarks import packing_throughput
-from lightning_blockwise.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.recipes.data import IGNORE_INDEX, InstructionDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.recipes.packing import PackCollator, check_packed_attention, is_packed, pack
