@@ -12,6 +12,7 @@ Example::
     python -m lightning_blockwise validate --config configs/demo.yaml
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --gpu-memory 24GiB
     lightning-blockwise export runs/adapter /models/Qwen2.5-7B out/merged --merge bf16
+    lightning-blockwise generate /models/Qwen2.5-7B --adapter runs/adapter --prompt "Name a primary color."
     lightning-blockwise versions --check
 """
 
@@ -35,18 +36,20 @@ from typing_extensions import override
 # before the parser resolves `trainer.strategy`.
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
+from lightning_blockwise.cli.generate_command import GENERATE_COMMAND, generate_command
 from lightning_blockwise.cli.old_class_paths import refuse_removed_class_path
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
 from lightning_blockwise.cli.progress_bar_flag import drop_progress_bars
 from lightning_blockwise.compat.versions import VERSIONS_COMMAND, versions_command
 
-#: What ``lightning-blockwise --help`` says: every command, LightningCLI's and the two dispatched by `main`.
+#: What ``lightning-blockwise --help`` says: every command, LightningCLI's and those dispatched by `main`.
 DESCRIPTION = (
     "Lightning's Trainer command line with the `blockwise` strategy registered (`--trainer.strategy=blockwise`)."
     " Commands: fit, validate, test, predict (the Trainer's, below);"
     f" {PLAN_COMMAND} (predict a model's host RAM and VRAM from its config, no weights read);"
     f" {EXPORT_COMMAND} (write a trained adapter as a PEFT directory, or merged into its base, streamed layer by"
-    f" layer); {VERSIONS_COMMAND} (the tested range of each dependency and what is installed; `--check` exits 1"
+    f" layer); {GENERATE_COMMAND} (talk to a trained adapter, the base streamed as in training);"
+    f" {VERSIONS_COMMAND} (the tested range of each dependency and what is installed; `--check` exits 1"
     " outside it). `lightning-blockwise COMMAND --help` describes each."
 )
 
@@ -92,7 +95,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 #: The Trainer's commands as argparse lists them in the usage line, and the list with ours (dispatched by `main`).
 _TRAINER_COMMANDS = "{" + ",".join(LightningCLI.subcommands()) + "}"
-_ALL_COMMANDS = _TRAINER_COMMANDS[:-1] + f",{PLAN_COMMAND},{EXPORT_COMMAND},{VERSIONS_COMMAND}}}"
+_ALL_COMMANDS = _TRAINER_COMMANDS[:-1] + f",{PLAN_COMMAND},{EXPORT_COMMAND},{GENERATE_COMMAND},{VERSIONS_COMMAND}}}"
 
 
 class _BlockwiseParser(LightningArgumentParser):
@@ -250,6 +253,8 @@ def main(args: ArgsType = None) -> None:
         plan(argv[1:])
     elif isinstance(argv, list) and argv[:1] == [EXPORT_COMMAND]:
         export_command(argv[1:])
+    elif isinstance(argv, list) and argv[:1] == [GENERATE_COMMAND]:
+        generate_command(argv[1:])
     elif isinstance(argv, list) and argv[:1] == [VERSIONS_COMMAND]:
         versions_command(argv[1:])
     else:
