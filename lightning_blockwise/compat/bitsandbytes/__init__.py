@@ -15,6 +15,8 @@
   :func:`is_saved_quantization_metadata`).
 - ``cpu_kernel``: the CPU inference kernel (:func:`disable_cpu_repack`, :func:`restore_cpu_repack`,
   :func:`is_repacked_for_cpu`).
+- ``optimizers``: 8-bit AdamW, plain and paged (:func:`adamw_8bit`), and what its moments cost
+  (:data:`MOMENT_BYTES_8BIT`, :data:`MOMENT_BYTES_FP32`, :data:`MIN_8BIT_SIZE`).
 
 Every name is importable from here.
 
@@ -36,6 +38,12 @@ from lightning_blockwise.compat.bitsandbytes.linears import (
     quantize_like,
     replace_with_4bit_linears,
 )
+from lightning_blockwise.compat.bitsandbytes.optimizers import (
+    MIN_8BIT_SIZE,
+    MOMENT_BYTES_8BIT,
+    MOMENT_BYTES_FP32,
+    adamw_8bit,
+)
 from lightning_blockwise.compat.bitsandbytes.quant_state import move_code_tables, move_to_host, quant_state_tensors
 from lightning_blockwise.compat.bitsandbytes.saved_state import (
     SAVED_STATE_JSON,
@@ -49,11 +57,15 @@ from lightning_blockwise.compat.bitsandbytes.saved_state import (
 )
 
 __all__ = [
+    "MIN_8BIT_SIZE",
+    "MOMENT_BYTES_8BIT",
+    "MOMENT_BYTES_FP32",
     "SAVED_STATE_JSON",
     "SAVED_STATE_JSON_PREFIX",
     "SAVED_STATE_SUFFIXES",
     "SAVED_WEIGHT_ENTRIES",
     "Nf4Format",
+    "adamw_8bit",
     "code_table_bytes",
     "deserialize",
     "disable_cpu_repack",
