@@ -76,7 +76,7 @@ def _rss_anon() -> int:
 
 def merge(layers: int, mode: str) -> None:
     """Merge the ``layers``-layer adapter into its base on the GPU; print time, peak VRAM and host memory."""
-    from lightning_blockwise.recipes.merge import export
+    from lightning_blockwise.export.merge import export
 
     start_rss = peak = _rss_anon()
     done = threading.Event()

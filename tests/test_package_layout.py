@@ -50,6 +50,7 @@ LAYERS: list[set[str]] = [
     {"strategy", "strategy.blockwise", "strategy.options"},
     {"verification", "profiling"},
     {"callbacks"},
+    {"export"},
     {"recipes", "demos"},
     {"cli"},
     {"__init__", "__main__"},

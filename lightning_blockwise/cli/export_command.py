@@ -1,6 +1,6 @@
 """``lightning-blockwise export``: a trained adapter as a PEFT directory, or merged into its base as a model.
 
-The work is :func:`lightning_blockwise.recipes.merge.export`; this module parses the arguments and
+The work is :func:`lightning_blockwise.export.merge.export`; this module parses the arguments and
 says what went wrong on one line. Like ``plan``, the command is handled before LightningCLI parses,
 by :func:`~lightning_blockwise.cli.main`.
 
@@ -21,7 +21,7 @@ from typing import NoReturn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_blockwise.recipes.merge import DEFAULT_MAX_SHARD_SIZE, MERGE_CHOICES, export
+from lightning_blockwise.export.merge import DEFAULT_MAX_SHARD_SIZE, MERGE_CHOICES, export
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
 EXPORT_COMMAND = "export"

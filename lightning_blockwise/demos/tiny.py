@@ -34,8 +34,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
 from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, nf4_config
-from lightning_blockwise.recipes.export import check_export_target, export_adapter
-from lightning_blockwise.recipes.leftovers import scratch_directory
+from lightning_blockwise.export.adapter import check_export_target, export_adapter
+from lightning_blockwise.export.leftovers import scratch_directory
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
 #: Token id that pads sequences on the right; the data never use it otherwise.
@@ -101,7 +101,7 @@ def build_base_model(
         return model.to(device).eval()
     # Quantize the way users load a real checkpoint: from disk, through `quantization_config`.
     quantization = nf4_config(torch.float32)
-    # NOTE [ Cleaning what is ours ] in recipes/leftovers.py: a kill mid-load leaves the checkpoint behind,
+    # NOTE [ Cleaning what is ours ] in export/leftovers.py: a kill mid-load leaves the checkpoint behind,
     # named for this process, and the next demo removes it.
     checkpoint = scratch_directory(tempfile.gettempdir(), "lightning-blockwise-demo", ".model")
     try:
@@ -229,7 +229,7 @@ class DemoCausalLM(pl.LightningModule):
 
         Raises:
             MisconfigurationException: If the datamodule's ``vocab_size`` exceeds the model's, or (when fitting)
-                ``<log_dir>/adapter`` already holds files (NOTE [ Atomic adapter export ] in export.py).
+                ``<log_dir>/adapter`` already holds files (NOTE [ Atomic adapter export ] in export/adapter.py).
         """
         if stage == "fit":
             check_export_target(self._adapter_dir(), overwrite=False, owner="DemoCausalLM")

@@ -22,10 +22,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import nf4_config
+from lightning_blockwise.export.adapter import check_export_target, export_adapter
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
-from lightning_blockwise.recipes.export import check_export_target, export_adapter
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.random_init import random_nf4_model
@@ -273,7 +273,7 @@ class CausalLMFineTune(pl.LightningModule):
         self._exported = False
 
     def on_train_end(self) -> None:
-        """Export the adapter as a PEFT directory (atomically: NOTE [ Atomic adapter export ] in export.py)."""
+        """Export the adapter as a PEFT directory (atomically: NOTE [ Atomic adapter export ] in export/adapter.py)."""
         self._export()
 
     def on_fit_end(self) -> None:

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lightning_blockwise.cli import main
-from lightning_blockwise.recipes.merge_card import CONFIG_KEY
+from lightning_blockwise.export.model_card import CONFIG_KEY
 
 
 @pytest.fixture(scope="module")

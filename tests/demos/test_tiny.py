@@ -26,7 +26,7 @@ from lightning_blockwise.callbacks.progress_bar import EpochProgressBar, planned
 from lightning_blockwise.cli import build_cli
 from lightning_blockwise.demos.progressions import DemoDataModule
 from lightning_blockwise.demos.tiny import DemoCausalLM, build_base_model
-from lightning_blockwise.recipes import leftovers
+from lightning_blockwise.export import leftovers
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import build_cli, main
+from lightning_blockwise.export.adapter import export_adapter
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import TiledMLP
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
-from lightning_blockwise.recipes.export import export_adapter
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.chat import save_adapter

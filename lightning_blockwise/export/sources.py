@@ -22,7 +22,7 @@ from peft.utils.other import get_pattern_key
 from safetensors import safe_open
 from torch import Tensor
 
-from lightning_blockwise.recipes.merge_adapter import (
+from lightning_blockwise.export.trained_adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     UNSUPPORTED_SETTINGS,

@@ -1,4 +1,4 @@
-"""The adapter an export merges, as one :class:`TrainedAdapter` whatever it was read from (see merge_sources.py)."""
+"""The adapter an export merges, as one :class:`TrainedAdapter` whatever it was read from (see export/sources.py)."""
 
 from __future__ import annotations
 

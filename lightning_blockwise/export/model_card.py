@@ -1,7 +1,7 @@
 """The files of a merged model besides its weights: ``config.json``, the base's tokenizer and generation files, a card.
 
 The config and the card say what was merged into what (NOTE [ What a merge adds ] in
-merge_weights.py): a model merged into the checkpoint's original weights is not the model that
+export/weights.py): a model merged into the checkpoint's original weights is not the model that
 was trained, and is labelled so in both.
 """
 

@@ -1,6 +1,6 @@
 """One weight of a merge: the base as training saw it, the adapter's delta, their sum, re-quantized if asked.
 
-Every function here works on one tensor at a time on one device; :mod:`lightning_blockwise.recipes.merge`
+Every function here works on one tensor at a time on one device; :mod:`lightning_blockwise.export.merge`
 calls them in the order of the checkpoint.
 """
 
@@ -68,7 +68,7 @@ def quantized_as_trained(
         yield weight
     finally:
         # bitsandbytes points the module at every quant state it makes; the meta model lives as long as
-        # the merge and must not keep every layer's statistics alive (tests/recipes/test_merge.py sees it).
+        # the merge and must not keep every layer's statistics alive (tests/export/test_merge.py sees it).
         module.quant_state = None
         module._parameters["weight"] = meta_weight
 

@@ -4,10 +4,10 @@
 ``AutoModelForCausalLM.from_pretrained`` loads: dense (``"bf16"``, ``"fp32"``) or re-quantized NF4
 (``"nf4"``). The base is read from its safetensors shards one tensor at a time and each 4-bit weight
 is quantized as training quantized it, dequantized, given the adapter's delta and written
-(NOTE [ What a merge adds ] in merge_weights.py) into shards that are written as they fill
-(NOTE [ Streamed safetensors shards ] in merge_shards.py): host memory and device memory hold one
+(NOTE [ What a merge adds ] in export/weights.py) into shards that are written as they fill
+(NOTE [ Streamed safetensors shards ] in export/shards.py): host memory and device memory hold one
 weight and its intermediates, whatever the size of the model. The output appears at once and
-replaces nothing by accident (NOTE [ Atomic adapter export ] in export.py).
+replaces nothing by accident (NOTE [ Atomic adapter export ] in export/adapter.py).
 
 Example::
 
@@ -25,19 +25,19 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lightning_blockwise.planning import parse_bytes
-from lightning_blockwise.recipes.export import check_export_target, staged_directory
-from lightning_blockwise.recipes.merge_card import write_model_files
-from lightning_blockwise.recipes.merge_plan import COMPUTE_DTYPES, DENSE_DTYPES, MergePlan, check_disk, plan_merge
-from lightning_blockwise.recipes.merge_shards import ShardWriter
-from lightning_blockwise.recipes.merge_sources import open_adapter
-from lightning_blockwise.recipes.merge_weights import (
+from lightning_blockwise.export.adapter import check_export_target, staged_directory
+from lightning_blockwise.export.merge_plan import COMPUTE_DTYPES, DENSE_DTYPES, MergePlan, check_disk, plan_merge
+from lightning_blockwise.export.model_card import write_model_files
+from lightning_blockwise.export.shards import ShardWriter
+from lightning_blockwise.export.sources import open_adapter
+from lightning_blockwise.export.weights import (
     dequantized,
     lora_delta,
     quantized_as_trained,
     requantized,
     saved_entries,
 )
+from lightning_blockwise.planning import parse_bytes
 
 #: ``merge``'s choices: the PEFT adapter alone, a dense model in bf16 or fp32, a re-quantized NF4 model.
 MERGE_CHOICES = ("none", *DENSE_DTYPES, "nf4")
@@ -63,7 +63,7 @@ def export(
 
     Every check (arguments, target, adapter, base files and keys, shapes, disk space) runs before
     the first weight is read. The merge reads the base one tensor at a time; see the module
-    docstring and NOTE [ What a merge adds ] in merge_weights.py for what is computed.
+    docstring and NOTE [ What a merge adds ] in export/weights.py for what is computed.
 
     Args:
         adapter: A PEFT adapter directory, or a ``.ckpt`` of ``CausalLMFineTune``.
@@ -165,7 +165,7 @@ def _write_weights(plan: MergePlan, staging: Path, shard_cap: int, progress: boo
 
 
 def _merged(plan: MergePlan, key: str) -> dict[str, Tensor]:
-    """The output tensors of one checkpoint key, on the CPU (NOTE [ What a merge adds ] in merge_weights.py)."""
+    """The output tensors of one checkpoint key, on the CPU (NOTE [ What a merge adds ] in export/weights.py)."""
     name = key.removesuffix(".weight")
     lora = plan.adapter.modules.get(name) if key.endswith(".weight") else None
     delta = None

@@ -15,10 +15,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from peft import PeftModel
 
-from lightning_blockwise.recipes.leftovers import clean_leftovers, scratch_directory
-from lightning_blockwise.recipes.merge_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from lightning_blockwise.recipes.merge_card import CONFIG_KEY, COPIED_FILES
-from lightning_blockwise.recipes.merge_shards import INDEX_FILE, SINGLE_FILE
+from lightning_blockwise.export.leftovers import clean_leftovers, scratch_directory
+from lightning_blockwise.export.model_card import CONFIG_KEY, COPIED_FILES
+from lightning_blockwise.export.shards import INDEX_FILE, SINGLE_FILE
+from lightning_blockwise.export.trained_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 # The files of a PEFT adapter directory an export or a fine-tuning run writes (PEFT adds a model card).
 _ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin", "README.md"})

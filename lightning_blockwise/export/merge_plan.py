@@ -22,11 +22,11 @@ from torch import Tensor
 from transformers import BitsAndBytesConfig
 
 from lightning_blockwise.compat.bitsandbytes import SAVED_STATE_JSON, Nf4Format, is_4bit_weight
+from lightning_blockwise.export.shards import PlannedTensor
+from lightning_blockwise.export.trained_adapter import TrainedAdapter
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
 from lightning_blockwise.loading.meta_model import build_meta_model, check_keys
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
-from lightning_blockwise.recipes.merge_adapter import TrainedAdapter
-from lightning_blockwise.recipes.merge_shards import PlannedTensor
 
 #: The dense exports and their dtypes.
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

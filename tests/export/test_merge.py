@@ -1,4 +1,4 @@
-"""`lightning-blockwise export`'s merge (recipes/merge*.py): exact against PEFT, streamed, atomic, refused early.
+"""`lightning-blockwise export`'s merge (export/): exact against PEFT, streamed, atomic, refused early.
 
 The references are PEFT's own merges of the same adapter on the same base loaded by
 ``from_pretrained``: ``merge_and_unload`` on the NF4 model for an NF4 export (PEFT re-quantizes), and
@@ -27,13 +27,13 @@ from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.compat.bitsandbytes import nf4_config
-from lightning_blockwise.recipes import merge as merge_module
+from lightning_blockwise.export import merge as merge_module
+from lightning_blockwise.export.merge import export
+from lightning_blockwise.export.model_card import CONFIG_KEY
+from lightning_blockwise.export.shards import INDEX_FILE, SINGLE_FILE, ShardWriter
+from lightning_blockwise.export.sources import open_adapter
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from lightning_blockwise.recipes.merge import export
-from lightning_blockwise.recipes.merge_card import CONFIG_KEY
-from lightning_blockwise.recipes.merge_shards import INDEX_FILE, SINGLE_FILE, ShardWriter
-from lightning_blockwise.recipes.merge_sources import open_adapter
 from tests.helpers.models import VOCAB, trainer
 
 #: Adapted linears of the test adapters: attention, two of the MLP's three, and the (unquantized) LM head.

@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from lightning_blockwise.recipes import leftovers
-from lightning_blockwise.recipes.export import check_export_target, export_adapter, previous_export
+from lightning_blockwise.export import leftovers
+from lightning_blockwise.export.adapter import check_export_target, export_adapter, previous_export
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from tests.helpers.models import build_model, trainer
 
