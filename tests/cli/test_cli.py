@@ -224,13 +224,13 @@ def test_usage_line_names_every_command(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    assert "usage: lightning-blockwise [-c CONFIG] {fit,validate,test,predict,plan,export,versions} ..." in (
+    assert "usage: lightning-blockwise [-c CONFIG] {fit,validate,test,predict,plan,export,generate,versions} ..." in (
         capsys.readouterr().out
     )
     # Without a command the error names them all too.
     with pytest.raises(SystemExit):
         main([])
-    assert "{fit,validate,test,predict,plan,export,versions}" in capsys.readouterr().err
+    assert "{fit,validate,test,predict,plan,export,generate,versions}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
