@@ -220,7 +220,7 @@ class ChatSession:
                 counter.nbytes = 0
                 replies = self._answer(model, strategy.root_device, batch)
                 new = max(len(reply.tokens) for reply in replies)
-                rate = new * len(batch) / replies[0].seconds
+                rate = new * len(batch) / max(replies[0].seconds, 1e-9)
                 streamed = f", {counter.nbytes / max(new, 1) / 1e9:.2f} GB streamed per token" if blockwise else ""
                 self.report(f"({new} tokens x {len(batch)} prompts in {replies[0].seconds:.1f} s: {rate:.2f} tokens/s"
                             f"{streamed})")  # fmt: skip
