@@ -20,8 +20,8 @@ from lightning_blockwise.longcontext.tiling import DEFAULT_TILE_TOKENS
 from lightning_blockwise.planning import ResidencyPlan
 
 if TYPE_CHECKING:
-    # Only for annotations: `sizing` re-exports this module's names, so importing it here would be a cycle.
-    from lightning_blockwise.planning.sizing import ModelSizes
+    # Only for annotations (the sizes of a model, a floor below `sizing`, which re-exports this module's names).
+    from lightning_blockwise.planning.footprint import ModelSizes
 
 #: Card memory kept out of the recommended budget: the CUDA context and cuBLAS workspaces,
 #: which ``torch.cuda.max_memory_allocated`` (what the budget predicts) does not count.

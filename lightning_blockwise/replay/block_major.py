@@ -12,17 +12,15 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.layer import ReplayedLayer
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.residency.base import Pass
-
-if TYPE_CHECKING:
-    from lightning_blockwise.replay.remat import RematLayer
 
 # NOTE [ Block-major accumulation ]
 # Lightning calls `training_step` for micro-batch k only after micro-batch k-1's forward and
@@ -120,7 +118,7 @@ class Window:
         self._aborted = False
         self._forward_done = False
         self._saved: list[list[_Saved | None]] = [[None] * num_layers for _ in range(count)]
-        self._remats: list[RematLayer | None] = [None] * num_layers
+        self._remats: list[ReplayedLayer | None] = [None] * num_layers
         self._grads: dict[int, Tensor] = {}
         self._backward_done = False
         self._live = 0  # micro-batches whose `training_step` has not returned or unwound
@@ -209,7 +207,7 @@ class Window:
 
     # -- the layers, called from RematLayer in the window's threads --------------------------------
 
-    def forward_layer(self, remat: RematLayer, k: int, hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    def forward_layer(self, remat: ReplayedLayer, k: int, hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
         """Run ``remat``'s layer for micro-batch ``k`` in its turn; see NOTE [ Block-major accumulation ]."""
         layer = remat.index
         if layer != self._layer_reached[k] + 1:
@@ -417,7 +415,7 @@ class _WindowTop(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, window: Window, k: int, remat: RematLayer, call: LayerCall, hidden: Tensor, anchor: Tensor
+        ctx: Any, window: Window, k: int, remat: ReplayedLayer, call: LayerCall, hidden: Tensor, anchor: Tensor
     ) -> Tensor:
         ctx.window, ctx.k = window, k
         ctx.set_materialize_grads(False)

@@ -6,16 +6,14 @@ the backward, which acquires the block again (back in the same slot) before diff
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.layer import ReplayedLayer
 from lightning_blockwise.residency.base import Pass
-
-if TYPE_CHECKING:
-    from lightning_blockwise.replay.remat import RematLayer
 
 # NOTE [ Kept graphs of streamed blocks ]
 # A layer whose activations fit the budget need not be recomputed, even when its block
@@ -43,7 +41,7 @@ class KeptFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
-        remat: RematLayer,
+        remat: ReplayedLayer,
         call: LayerCall,
         params: tuple[nn.Parameter, ...],
         hidden: Tensor,
@@ -62,7 +60,7 @@ class KeptFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         """Acquire the block again, differentiate the kept graph: the input's gradient out, the adapters' to .grad."""
-        remat: RematLayer = ctx.remat
+        remat: ReplayedLayer = ctx.remat
         if not hasattr(ctx, "output"):
             raise RuntimeError(
                 f"BlockwiseStrategy: a second backward reached decoder layer {remat.index}, whose graph the first one"

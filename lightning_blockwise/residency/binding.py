@@ -1,70 +1,19 @@
-"""Binding a block's frozen tensors to a slab: the places a module reads them from, and rebinding those places.
+"""Binding a block's frozen tensors to a slab: packing them into it and rebinding the places a module reads.
 
-A :class:`Binding` is one place a module reads a frozen tensor from (a parameter's data, a
-buffer, a quant-state attribute). :func:`pack` copies a block's tensors into a slab at the
-offsets of its :class:`~lightning_blockwise.residency.layout.BlockLayout`, :func:`views` cuts a
-slab into typed tensors, :func:`bind` makes the layers read from them and :func:`unbound` says
-which no longer do.
+A :class:`~lightning_blockwise.residency.walk.Binding` is one place a module reads a frozen tensor from (a
+parameter's data, a buffer, a quant-state attribute); the walk records them. :func:`pack` copies a block's
+tensors into a slab at the offsets of its :class:`~lightning_blockwise.residency.layout.BlockLayout`,
+:func:`views` cuts a slab into typed tensors, :func:`bind` makes the layers read from them and
+:func:`unbound` says which no longer do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING
-
 import torch
-from bitsandbytes.functional import QuantState
-from torch import Tensor, nn
+from torch import Tensor
 
-if TYPE_CHECKING:
-    # Only for annotations: layout.py and walk.py (which records each tensor's bindings) import this module.
-    from lightning_blockwise.residency.layout import BlockLayout
-
-
-class BindingKind(Enum):
-    """How a frozen tensor is reached from the module, and so how it is rebound."""
-
-    #: A module parameter: ``param.data = view`` (the ``Parameter`` object stays).
-    PARAMETER = "parameter"
-    #: A module buffer: ``module._buffers[name] = view``.
-    BUFFER = "buffer"
-    #: A tensor attribute of a bitsandbytes ``QuantState`` (or its nested ``state2``).
-    QUANT_STATE = "quant_state"
-
-
-@dataclass(frozen=True, eq=False)
-class Binding:
-    """One place a module reads a frozen tensor from.
-
-    Attributes:
-        kind: How the tensor is reached.
-        owner: The ``nn.Parameter`` (``PARAMETER``), the module that registers the buffer
-            (``BUFFER``) or the ``QuantState`` (``QUANT_STATE``).
-        attr: ``"data"``, the buffer's name, or the quant-state attribute.
-    """
-
-    kind: BindingKind
-    owner: nn.Parameter | nn.Module | QuantState
-    attr: str
-
-    def current(self) -> Tensor:
-        """The tensor this place holds now."""
-        if self.kind is BindingKind.PARAMETER:
-            return self.owner.data
-        if self.kind is BindingKind.BUFFER:
-            return self.owner._buffers[self.attr]
-        return getattr(self.owner, self.attr)
-
-    def rebind(self, view: Tensor) -> None:
-        """Make this place hold ``view`` (NOTE [ Rebinding keeps identities ])."""
-        if self.kind is BindingKind.PARAMETER:
-            self.owner.data = view
-        elif self.kind is BindingKind.BUFFER:
-            # Straight into `_buffers`: `Module.__setattr__` would run buffer registration hooks.
-            self.owner._buffers[self.attr] = view
-        else:
-            setattr(self.owner, self.attr, view)
+from lightning_blockwise.residency.layout import BlockLayout
+from lightning_blockwise.residency.walk import Binding, BindingKind
 
 
 def views(layout: BlockLayout, slab: Tensor) -> list[Tensor]:

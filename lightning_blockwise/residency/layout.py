@@ -5,7 +5,7 @@ one walk, on real tensors or predicted from a meta model; its names are served h
 :func:`layout_block` gives each an aligned place in one ``uint8`` slab. The host arena, the
 loader's prediction and ``plan``'s sizes all come from :func:`frozen_tensors` and
 :func:`tensor_offsets`. Putting the tensors into a slab and pointing the layers at it is
-:mod:`~lightning_blockwise.residency.binding`'s job (its names are served here too). The
+:mod:`~lightning_blockwise.residency.binding`'s job (a floor above this module). The
 streamer packs each block once into pinned host memory, then per use copies the host slab
 into a device slot in one transfer and binds the slot::
 
@@ -23,14 +23,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
-
-# Re-exported (redundant aliases): binding's names are still imported from here, where they lived before.
-from lightning_blockwise.residency.binding import Binding as Binding
-from lightning_blockwise.residency.binding import BindingKind as BindingKind
-from lightning_blockwise.residency.binding import bind as bind
-from lightning_blockwise.residency.binding import pack as pack
-from lightning_blockwise.residency.binding import unbound as unbound
-from lightning_blockwise.residency.binding import views as views
 
 # Re-exported (redundant aliases): the walk lived here before it had a module of its own.
 from lightning_blockwise.residency.walk import FrozenTensor as FrozenTensor

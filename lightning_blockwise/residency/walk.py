@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from bitsandbytes.functional import QuantState
@@ -18,11 +19,55 @@ from torch import Tensor, nn
 
 from lightning_blockwise.architectures import adapter_parameters
 from lightning_blockwise.compat.bitsandbytes import Nf4Format, is_repacked_for_cpu, pending_nf4, quant_state_tensors
-from lightning_blockwise.residency.binding import Binding, BindingKind
 
 #: Which weights a walk predicts as NF4 before they are quantized, and in which format: called with
 #: ``(module, parameter name, parameter)``, it returns the format or ``None`` (a tensor as it is).
 Nf4Policy = Callable[[nn.Module, str, Tensor], Nf4Format | None]
+
+
+class BindingKind(Enum):
+    """How a frozen tensor is reached from the module, and so how it is rebound."""
+
+    #: A module parameter: ``param.data = view`` (the ``Parameter`` object stays).
+    PARAMETER = "parameter"
+    #: A module buffer: ``module._buffers[name] = view``.
+    BUFFER = "buffer"
+    #: A tensor attribute of a bitsandbytes ``QuantState`` (or its nested ``state2``).
+    QUANT_STATE = "quant_state"
+
+
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """One place a module reads a frozen tensor from.
+
+    Attributes:
+        kind: How the tensor is reached.
+        owner: The ``nn.Parameter`` (``PARAMETER``), the module that registers the buffer
+            (``BUFFER``) or the ``QuantState`` (``QUANT_STATE``).
+        attr: ``"data"``, the buffer's name, or the quant-state attribute.
+    """
+
+    kind: BindingKind
+    owner: nn.Parameter | nn.Module | QuantState
+    attr: str
+
+    def current(self) -> Tensor:
+        """The tensor this place holds now."""
+        if self.kind is BindingKind.PARAMETER:
+            return self.owner.data
+        if self.kind is BindingKind.BUFFER:
+            return self.owner._buffers[self.attr]
+        return getattr(self.owner, self.attr)
+
+    def rebind(self, view: Tensor) -> None:
+        """Make this place hold ``view`` (NOTE [ Rebinding keeps identities ] in binding.py)."""
+        if self.kind is BindingKind.PARAMETER:
+            self.owner.data = view
+        elif self.kind is BindingKind.BUFFER:
+            # Straight into `_buffers`: `Module.__setattr__` would run buffer registration hooks.
+            self.owner._buffers[self.attr] = view
+        else:
+            setattr(self.owner, self.attr, view)
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,7 @@ from lightning_blockwise.architectures import adapter_parameters, find_decoder_s
 from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
 from lightning_blockwise.planning import sizing
 from lightning_blockwise.residency.arena import HostArena
-from lightning_blockwise.residency.binding import BindingKind, bind, pack, unbound, views
+from lightning_blockwise.residency.binding import bind, pack, unbound, views
 from lightning_blockwise.residency.layout import (
     ALIGNMENT,
     BlockLayout,
@@ -28,6 +28,7 @@ from lightning_blockwise.residency.layout import (
     tensor_offsets,
 )
 from lightning_blockwise.residency.placement import host_copy_of
+from lightning_blockwise.residency.walk import BindingKind
 from tests.helpers.models import CONFIGS, NUM_LAYERS, SEQ, VOCAB, build_model, nf4_config
 
 MODEL_TYPES = ["llama", "gemma2", "phi3"]
