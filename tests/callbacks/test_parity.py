@@ -22,8 +22,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 import lightning_blockwise  # noqa: F401
-from lightning_blockwise import BlockwiseStrategy, remat
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.callbacks.parity import ParityCheck, ParityError
+from lightning_blockwise.replay import remat
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.verification import check as verification_check
 from tests.helpers.models import (
