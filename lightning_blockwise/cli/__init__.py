@@ -41,6 +41,7 @@ from lightning_blockwise.cli.old_class_paths import refuse_removed_class_path
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
 from lightning_blockwise.cli.progress_bar_flag import drop_progress_bars
 from lightning_blockwise.compat.versions import VERSIONS_COMMAND, versions_command
+from lightning_blockwise.strategy.checkpointing import check_checkpoint_file
 
 #: What ``lightning-blockwise --help`` says: every command, LightningCLI's and those dispatched by `main`.
 DESCRIPTION = (
@@ -202,6 +203,8 @@ class _BlockwiseCLI(LightningCLI):
         parsed = self.config
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
         if ckpt_path and _is_local_path(str(ckpt_path)) and Path(ckpt_path).is_file():
+            # An empty, truncated or foreign file is named with its problem here, before any model work.
+            check_checkpoint_file(ckpt_path)
             refuse_removed_class_path(ckpt_path)
         super()._parse_ckpt_path()
         if self.config is parsed:
