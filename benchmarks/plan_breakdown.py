@@ -8,11 +8,12 @@ that keep their graphs run plain autograd and are not observed) the count and su
 between one observed layer's end and the next one's start (the host's work between layers: the streamer's
 acquire and release, the wrappers), the compute stream's waits for copies, and the copies.
 
-    python -m benchmarks.plan_breakdown --shape 7b --arms 6GB 6GB:timed [--seq 512 --steps 6 --warmup 3]
+    python -m benchmarks.plan_breakdown --shape 7b --arms 6GB none [--seq 512 --steps 6 --warmup 3]
 
 (block_size 1: a block is a layer.)
 
-Arms: `BUDGET[:timed]` is `BlockwiseStrategy(vram_budget=BUDGET, timed_plan=...)`; `none` streams every block.
+Arms: `BUDGET` is `BlockwiseStrategy(vram_budget=BUDGET)`; `none` streams every block. (`BUDGET:timed` arms in
+older results ran the removed `timed_plan=True`.)
 """
 
 from __future__ import annotations
@@ -103,10 +104,7 @@ def main() -> None:
         batches.append({"input_ids": ids, "labels": ids})
     for arm in args.arms:
         model.to(device)
-        budget, *flags = arm.split(":")
-        strategy = BlockwiseStrategy(
-            vram_budget=None if budget == "none" else budget, budget_tokens=args.seq, timed_plan="timed" in flags
-        )
+        strategy = BlockwiseStrategy(vram_budget=None if arm == "none" else arm, budget_tokens=args.seq)
         tracer = TraceLastBatch(len(batches) - 1)
         trainer = pl.Trainer(
             accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=len(batches),

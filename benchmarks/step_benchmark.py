@@ -19,11 +19,9 @@ time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step 
 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
-rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep|:timed]]`
-(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`, `timed` sets
-`timed_plan=True`: the budget's plan is timed at the second step and made again before the third, NOTE [ Spending
-the budget on time ]; keep `--warmup` >= 3 then). Without `timed` the first plan stays (graphs kept on resident
-blocks only). Arms named `...:fixed` in results recorded while `timed_plan` was on by default are the untimed plan.
+rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep]]`
+(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`). Arms named `...:timed` in
+older results ran the removed `timed_plan=True`; arms named `...:fixed` are the plan every run makes now.
 """
 
 from __future__ import annotations
@@ -184,7 +182,7 @@ def run_arm(
         _, block_size, prefetch_depth, *budget = arm.split(":")
         strategy = BlockwiseStrategy(
             block_size=int(block_size), prefetch_depth=int(prefetch_depth), vram_budget=budget[0] if budget else None,
-            budget_tokens=seq, keep_activations="nokeep" not in budget, timed_plan="timed" in budget,
+            budget_tokens=seq, keep_activations="nokeep" not in budget,
         )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps,

@@ -160,8 +160,8 @@ def test_a_longer_batch_keeps_fewer_blocks_and_stays_exact(checkpoint: Path) -> 
     kept = _KeptPerStep()
     blockwise = fit(
         CausalLMModule(_nf4(checkpoint)),
-        # Untimed: the plan changes for the longer batches only (a timed step would change it too).
-        BlockwiseStrategy(vram_budget=budget, budget_tokens=short, timed_plan=False),
+        # The plan changes for the longer batches only.
+        BlockwiseStrategy(vram_budget=budget, budget_tokens=short),
         batches,
         callbacks=[kept],
         max_steps=4,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_blockwise.planning.speed import StepTimes, choose_blocks
 from lightning_blockwise.planning.units import format_gib
 
 #: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
@@ -210,11 +209,11 @@ class StepShape:
 # resident blocks change only between steps (NOTE [ Graphs do not outlive residency ] in
 # replay/remat.py). A streamed block may keep its graphs as well: its backward brings it back
 # to the slot it had in the forward first (NOTE [ Kept graphs of streamed blocks ] in
-# replay/kept.py). Until a step has been timed the planner keeps resident blocks from the first
-# one on while the budget holds their slabs and graphs, then spends what is left on resident
-# blocks only, which save copies, worth it only where the step waits on the link; once timed,
-# it spends the budget where the measured step says it saves the most (NOTE [ Spending the
-# budget on time ] in speed.py). `keep_activations=False` spends the whole budget on residency.
+# replay/kept.py). The planner keeps resident blocks from the first one on while the budget
+# holds their slabs and graphs, then spends what is left on resident blocks only, which save
+# copies, worth it only where the step waits on the link. A timed plan that spent the budget by
+# a measured step was no faster on the H100 (benchmarks/RESULTS.md, "Timed plan") and was
+# removed. `keep_activations=False` spends the whole budget on residency.
 
 
 @dataclass(frozen=True)
@@ -255,8 +254,7 @@ def with_headroom(allocated: int) -> int:
 
 def plan_residency(
     block_bytes: list[int], prefetch_depth: int, fixed_bytes: int, trainable_bytes: int, activation_bytes: int,
-    budget: int | None, graph_bytes: list[int] | None = None, times: StepTimes | None = None,
-    block_layers: list[int] | None = None,
+    budget: int | None, graph_bytes: list[int] | None = None,
 ) -> ResidencyPlan:  # fmt: skip
     """Keep as many blocks resident as ``budget`` allows; stream the rest (all of them without a budget).
 
@@ -267,9 +265,7 @@ def plan_residency(
     kept resident from the first one on: every block but those around the forward/backward turn
     is loaded twice per step, so any resident block saves the same traffic. With ``graph_bytes``
     the budget first goes to kept blocks (resident, and their layers' graphs kept: no recompute),
-    from the first on, then to more resident blocks (NOTE [ Kept activations ]); with ``times`` as well,
-    it goes where the measured step says it saves the most time, and streamed blocks may keep
-    their graphs too (NOTE [ Spending the budget on time ] in speed.py).
+    from the first on, then to more resident blocks (NOTE [ Kept activations ]).
 
     Args:
         block_bytes: Each block's slab size.
@@ -280,8 +276,6 @@ def plan_residency(
         budget: The cap on the allocator, in bytes, or ``None`` to stream every block.
         graph_bytes: Each block's layers' autograd graphs (:meth:`StepShape.layer_graph` per layer),
             what keeping it costs beyond its slab; ``None``: every layer is recomputed.
-        times: A timed training step at these tokens, or ``None``.
-        block_layers: Layers in each block (needed with ``times``).
 
     Raises:
         ValueError: If ``budget`` is below the minimum (every block streamed).
@@ -310,20 +304,15 @@ def plan_residency(
             f" {ALLOCATOR_SLACK // 2**20} MiB for the allocator). Raise the budget to at least {format_gib(minimum)},"
             " or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."
         )
-    if times is not None and graph_bytes is not None:
-        assert block_layers is not None, "a timed plan needs the layers of each block"
-        resident, kept_blocks = choose_blocks(times, block_layers, block_bytes, graph_bytes, fits)
-    else:
-        graphs = graph_bytes or []
-        kept, kept_bytes = 0, 0
-        while kept < len(graphs) and fits(kept + 1, kept_bytes + graphs[kept]):
-            kept_bytes += graphs[kept]
-            kept += 1
-        resident = kept
-        while resident < len(block_bytes) and fits(resident + 1, kept_bytes):
-            resident += 1
-        kept_blocks = tuple(range(kept))
-    kept_bytes = sum(graph_bytes[i] for i in kept_blocks) if graph_bytes is not None else 0
+    graphs = graph_bytes or []
+    kept, kept_bytes = 0, 0
+    while kept < len(graphs) and fits(kept + 1, kept_bytes + graphs[kept]):
+        kept_bytes += graphs[kept]
+        kept += 1
+    resident = kept
+    while resident < len(block_bytes) and fits(resident + 1, kept_bytes):
+        resident += 1
+    kept_blocks = tuple(range(kept))
     predicted, slots, slot_bytes = peak(resident, kept_bytes)
     return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum, kept_blocks)
 

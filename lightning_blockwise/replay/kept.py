@@ -65,8 +65,8 @@ class KeptFunction(torch.autograd.Function):
             raise RuntimeError(
                 f"BlockwiseStrategy: a second backward reached decoder layer {remat.index}, whose graph the first one"
                 " consumed (a layer of a streamed block keeps its graph only to its backward: NOTE [ Kept graphs of"
-                " streamed blocks ]). To backpropagate twice (`retain_graph=True`), train with"
-                " `BlockwiseStrategy(timed_plan=False)`: then only resident blocks keep graphs, as plain autograd."
+                " streamed blocks ]). To backpropagate twice (`retain_graph=True`), keep graphs on resident blocks"
+                " only, as the strategy's plans do: there they are plain autograd."
             )
         x: Tensor = ctx.x
         wants_input_grad = ctx.needs_input_grad[3]

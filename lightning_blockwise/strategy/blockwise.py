@@ -18,7 +18,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
@@ -79,12 +78,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
             keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
             the step waits on the host link (NOTE [ Kept activations ] in planning/memory.py).
-        timed_plan: With a ``vram_budget`` and ``keep_activations``, time the second micro-batch's forward and
-            backward (a layer's forward and backward, the copies) and plan again from them before the next one:
-            streamed blocks may then keep their graphs too, and the budget goes where the measured step predicts it
-            saves the most time (NOTE [ Spending the budget on time ] in planning/speed.py). Each process times and
-            plans for itself. Off by default: on the H100 measured, its plans were no faster than the first plan's
-            within the host's run-to-run spread (benchmarks/RESULTS.md); exact either way.
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
@@ -133,7 +126,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         budget_tokens: int | None = None,
         offload_activations: bool | None = None,
         keep_activations: bool = True,
-        timed_plan: bool = False,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
         share_host_copy: bool | None = None,
@@ -158,7 +150,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             check_count("budget_tokens", budget_tokens)
         check_optional_bool("offload_activations", offload_activations)
         check_bool("keep_activations", keep_activations)
-        check_bool("timed_plan", timed_plan)
         check_bool("block_major_accumulation", block_major_accumulation)
         if block_major_accumulation and offload_activations:
             raise MisconfigurationException(
@@ -187,7 +178,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         self.budget_tokens = budget_tokens
         self.offload_activations = offload_activations
         self.keep_activations = keep_activations
-        self.timed_plan = timed_plan
         self._planner: StepPlanner | None = None
         check_bool("allow_unvalidated", allow_unvalidated)
         self.allow_unvalidated = allow_unvalidated
@@ -268,7 +258,7 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             keep_activations=self.keep_activations,
             window=self._block_major.window if self._block_major is not None else 1,
         )
-        self._planner = StepPlanner(budget, self._budget_owner, timed=self.timed_plan)
+        self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
         plan = self._planner.first_plan(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
@@ -297,9 +287,10 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             # NOTE [ A window's batches ] in accumulation.py; it plans for the window's batches first.
             return self._block_major.training_step(self, args, kwargs, super().training_step, self._see_batch)
         if self._planner is not None:
-            # NOTE [ A budget that sees the batches ] in step_budget.py, NOTE [ Spending the budget on time ].
-            for line in self._planner.before_step(args[0] if args else kwargs.get("batch")):
-                rank_zero_info(f"BlockwiseStrategy: {line}.")
+            # NOTE [ A budget that sees the batches ] in step_budget.py.
+            replanned = self._planner.before_step(args[0] if args else kwargs.get("batch"))
+            if replanned is not None:
+                rank_zero_info(f"BlockwiseStrategy: {replanned}.")
         return super().training_step(*args, **kwargs)
 
     def _see_batch(self, batch: Any) -> None:
@@ -308,13 +299,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             replanned = self._planner.see_batch(batch)
             if replanned is not None:
                 rank_zero_info(f"BlockwiseStrategy: {replanned}.")
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        super().post_backward(closure_loss)
-        if self._planner is not None:
-            # NOTE [ Spending the budget on time ]: a timed step's trace covers its forward and backward only.
-            self._planner.after_backward()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

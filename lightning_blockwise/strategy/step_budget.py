@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
-from lightning_blockwise.planning.speed import StepTimes
 from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 
 # NOTE [ A budget that sees the batches ]
@@ -78,8 +77,6 @@ class StepBudget:
         adapter_dropout: The adapters apply dropout (a kept graph holds their dropped-out inputs).
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with block-major
             accumulation, else 1; over 1, nothing is kept or offloaded (NOTE [ Block-major accumulation ]).
-        times: A timed training step: kept and resident blocks are then chosen for the least predicted
-            step time (NOTE [ Spending the budget on time ] in planning/speed.py); ``None``: not timed.
     """
 
     config: Any
@@ -98,7 +95,6 @@ class StepBudget:
     keep_activations: bool = False
     adapter_dropout: bool = True
     window: int = 1
-    times: StepTimes | None = None
 
     @classmethod
     def for_module(
@@ -188,8 +184,6 @@ class StepBudget:
                     activation_bytes=shape.activation_peak(),
                     budget=self.budget,
                     graph_bytes=self._graph_bytes(shape),
-                    times=self.times,
-                    block_layers=list(self.block_layers),
                 )
             except ValueError as failure:
                 error = failure
@@ -207,20 +201,6 @@ class StepBudget:
         if not self.keep_activations or self.budget is None or not self.block_layers or self.window > 1:
             return None
         return [layers * shape.layer_graph() for layers in self.block_layers]
-
-    def timing_helps(self, plan: StepPlan) -> bool:
-        """Whether a timed step could change ``plan``: graphs may be kept, and not every block is kept and resident."""
-        if self._graph_bytes(plan.shape) is None:
-            return False
-        everything = len(self.block_bytes)
-        return len(plan.residency.kept) < everything or len(plan.residency.resident) < everything
-
-    def predicted_seconds(self, plan: StepPlan) -> float | None:
-        """The decoder's predicted time per step under ``plan``, from the timed step; ``None`` before one."""
-        if self.times is None:
-            return None
-        residency = plan.residency
-        return self.times.step_seconds(self.block_layers, self.block_bytes, len(residency.resident), residency.kept)
 
     def layer_graph(self, tokens: int) -> int:
         """Bytes of one layer's autograd graph at ``tokens`` tokens (what a resident layer keeps)."""
