@@ -60,6 +60,19 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
     from them and differentiates it. Training is bit-identical to ``strategy="auto"``. Weights are grouped into
     blocks of ``block_size`` layers, the unit in which the residency moves them.
 
+    What a user sets, and why (the Trainer sets the rest: accelerator, devices, processes):
+
+    - ``vram_budget``: how much of the card the run may take; blocks that fit stay on it (faster steps).
+    - ``block_size``: layers per copy; larger blocks make fewer, larger copies.
+    - ``prefetch_depth``: blocks on their way ahead of the one in use, so copies hide behind compute.
+    - ``budget_tokens``: the micro-batch to plan for at setup where the data module does not declare it.
+    - ``offload_activations``: saved layer inputs in host memory, for contexts the card holds no other way.
+    - ``keep_activations``: spend the budget on not recomputing (default) or on residency alone (link-bound steps).
+    - ``block_major_accumulation``: one copy of each block per accumulation window instead of one per micro-batch.
+    - ``share_host_copy``: one host copy of the base for the processes of a machine that train on it.
+    - ``save_frozen_base``: self-contained checkpoints instead of lean ones.
+    - ``allow_unvalidated``: try an architecture outside the validated ones.
+
     Args:
         block_size: Decoder layers per block.
         prefetch_depth: Blocks fetched ahead of the one in use when weights stream.
