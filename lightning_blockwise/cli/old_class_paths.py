@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import pickle
 from pathlib import Path
 
 import torch
@@ -40,8 +41,12 @@ def refuse_removed_class_path(ckpt_path: str | Path) -> None:
         MisconfigurationException: If the checkpoint's class path names a module of the flat layout; the message
             names the class path to write in its place.
     """
-    saved = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True)
-    class_path = saved.get("hyper_parameters", {}).get("_class_path")
+    try:
+        saved = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True)
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError):
+        return  # not a checkpoint this check can read: loading it says what is wrong
+    hparams = saved.get("hyper_parameters") if isinstance(saved, dict) else None
+    class_path = hparams.get("_class_path") if isinstance(hparams, dict) else None
     new = current_class_path(class_path) if isinstance(class_path, str) else None
     if new is None:
         return
