@@ -53,6 +53,8 @@ def export_command(args: list[str] | None = None) -> Path:
             max_shard_size=options.max_shard_size,
             overwrite=options.overwrite,
             progress=not options.quiet,
+            # Before the merge's first weight: the compute dtype it quantizes the base in, and whence.
+            report=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except MisconfigurationException as error:
         # The library's messages already name the command.
@@ -111,8 +113,9 @@ def _export_parser() -> argparse.ArgumentParser:
         "--compute-dtype",
         choices=["bfloat16", "float16", "float32"],
         default=None,
-        help="The compute_dtype training loaded the base in, which decides its NF4 bytes (default: a checkpoint's"
-        " own, else bfloat16).",
+        help="The compute_dtype training loaded the base in, which decides its NF4 bytes (default: the one the"
+        " adapter records, a .ckpt's or an adapter directory's lightning_blockwise.json; else bfloat16, with a"
+        " warning). One that differs from the record warns: the merge is then not the model trained.",
     )
     parser.add_argument(
         "--max-shard-size",

@@ -305,7 +305,8 @@ class DemoCausalLM(pl.LightningModule):
         self._exported = True
         if not self.trainer.is_global_zero:
             return
-        adapter_dir = export_adapter(self.model, self._adapter_dir())
+        # The demo's base computes in fp32 (`build_base_model`'s `nf4_config(torch.float32)`); recorded for `export`.
+        adapter_dir = export_adapter(self.model, self._adapter_dir(), compute_dtype=torch.float32)
         summary = f"DemoCausalLM: adapter saved to {adapter_dir}"
         if self._first_train_loss is not None:
             summary += (

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from peft import PeftModel
@@ -19,9 +20,11 @@ from lightning_blockwise.export.leftovers import clean_leftovers, scratch_direct
 from lightning_blockwise.export.model_card import CONFIG_KEY, COPIED_FILES
 from lightning_blockwise.export.shards import INDEX_FILE, SINGLE_FILE
 from lightning_blockwise.export.trained_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lightning_blockwise.export.training_record import TRAINING_RECORD, write_training_record
 
-# The files of a PEFT adapter directory an export or a fine-tuning run writes (PEFT adds a model card).
-_ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin", "README.md"})
+# The files of a PEFT adapter directory an export or a fine-tuning run writes (PEFT adds a model card, we the
+# training record: NOTE [ The training record of an adapter ] in export/training_record.py).
+_ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin", "README.md", TRAINING_RECORD})
 # The files of a merged model an export writes, besides its shards.
 _MODEL_FILES = frozenset({"config.json", "README.md", SINGLE_FILE, INDEX_FILE, *COPIED_FILES})
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -116,13 +119,18 @@ def previous_export(path: str | Path) -> str | None:
     return None
 
 
-def export_adapter(model: PeftModel, target: str | Path, overwrite: bool = False) -> Path:
+def export_adapter(
+    model: PeftModel, target: str | Path, overwrite: bool = False, *, compute_dtype: str | torch.dtype | None = None
+) -> Path:
     """Save ``model``'s PEFT adapter to ``target`` atomically (NOTE [ Atomic adapter export ]).
 
     Args:
         model: The PEFT model whose adapter to save.
         target: The directory to create (or, with ``overwrite``, replace).
         overwrite: Replace an adapter already at ``target``.
+        compute_dtype: The dtype the base was loaded in for training, recorded beside the adapter so that
+            ``export --merge`` quantizes the base as training did (NOTE [ The training record of an adapter ] in
+            export/training_record.py); ``None`` writes no record, and a merge then warns.
 
     Returns:
         Where the adapter was written: ``target``, or a fresh sibling if ``target`` gained files
@@ -138,6 +146,8 @@ def export_adapter(model: PeftModel, target: str | Path, overwrite: bool = False
     with staged_directory(target) as staging:
         # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
         model.save_pretrained(staging, save_embedding_layers=False)
+        if compute_dtype is not None:
+            write_training_record(staging, compute_dtype)
     return target
 
 

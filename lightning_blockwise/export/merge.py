@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from lightning_blockwise.export.merge_plan import COMPUTE_DTYPES, DENSE_DTYPES, 
 from lightning_blockwise.export.model_card import write_model_files
 from lightning_blockwise.export.shards import ShardWriter
 from lightning_blockwise.export.sources import open_adapter
+from lightning_blockwise.export.training_record import dtype_name
 from lightning_blockwise.export.weights import (
     dequantized,
     lora_delta,
@@ -58,6 +60,7 @@ def export(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     progress: bool = True,
+    report: Callable[[str], None] | None = None,
 ) -> Path:
     """Write ``adapter`` as a PEFT adapter, or merged into ``base`` as a model ``from_pretrained`` loads.
 
@@ -79,13 +82,21 @@ def export(
         device: Where to quantize, dequantize and add (``"cpu"``, ``"cuda"``, ``"cuda:1"``). Use the device
             training loaded the base on: NF4 quantization on the CPU and on a GPU can differ.
         compute_dtype: The dtype training loaded the base in (``CausalLMFineTune(compute_dtype=...)``), which
-            decides the NF4 bytes; ``None``: the checkpoint's hyperparameter, else ``"bfloat16"``.
+            decides the NF4 bytes; ``None``: the one the adapter records (a checkpoint's hyperparameter, an adapter
+            directory's ``lightning_blockwise.json``), else ``"bfloat16"`` with a warning. One other than the
+            record is used, with a warning (NOTE [ The training record of an adapter ] in export/training_record.py).
         max_shard_size: The cap on each output shard (``"5GB"``, ``"500MiB"``, or bytes).
         overwrite: Replace the previous export ``target`` holds (atomically); never anything else.
         progress: Show a progress bar over the bytes written.
+        report: Called with a line that says what a merge does (the compute dtype, and where it comes from)
+            before the first weight is read; ``None``: nothing is said.
 
     Returns:
         ``target``.
+
+    Warns:
+        UserWarning: If the adapter names another base than ``base``, or a merge quantizes the base in a compute
+            dtype the adapter does not record.
 
     Raises:
         MisconfigurationException: If an argument is out of range, ``target`` overlaps an input or holds files
@@ -108,11 +119,17 @@ def export(
                     trained.write_peft(staging, plan.base)
                 return target
             check_disk(target, plan)
+            if report is not None:
+                used = dtype_name(plan.compute_dtype)
+                report(f"{_OWNER}: merging with compute dtype {used} ({plan.compute_dtype_origin}).")
             with staged_directory(target) as staging:
                 _write_weights(plan, staging, shard_cap, progress)
                 dtype = DENSE_DTYPES.get(mode, plan.compute_dtype)
                 quantization = plan.bnb_config if mode == "nf4" else None
-                write_model_files(plan.base, staging, plan.config, dtype, quantization, _card_facts(plan))
+                # The card names `target`, where the files will be, not `staging`, where they are written.
+                write_model_files(
+                    plan.base, staging, plan.config, dtype, quantization, _card_facts(plan), target=target
+                )
     return target
 
 
@@ -216,7 +233,10 @@ def _card_facts(plan: MergePlan) -> dict[str, Any]:
     return {
         "merge": plan.mode,
         "merged_into": "original" if plan.into_original else "dequantized_nf4",
-        "compute_dtype": str(plan.compute_dtype).removeprefix("torch."),
+        "compute_dtype": dtype_name(plan.compute_dtype),
+        "compute_dtype_origin": plan.compute_dtype_origin,
+        # What the adapter says training used, `None` if it does not say (NOTE [ The training record of an adapter ]).
+        "trained_compute_dtype": None if plan.adapter.compute_dtype is None else dtype_name(plan.adapter.compute_dtype),
         "device": plan.device.type,
         "adapter": str(plan.adapter.source.resolve()),
         "base": str(plan.base.resolve()),

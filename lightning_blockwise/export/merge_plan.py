@@ -9,6 +9,7 @@ before any of it is done.
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -24,14 +25,13 @@ from transformers import BitsAndBytesConfig
 from lightning_blockwise.compat.bitsandbytes import SAVED_STATE_JSON, Nf4Format, is_4bit_weight
 from lightning_blockwise.export.shards import PlannedTensor
 from lightning_blockwise.export.trained_adapter import TrainedAdapter
+from lightning_blockwise.export.training_record import COMPUTE_DTYPES, dtype_name
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
 from lightning_blockwise.loading.meta_model import build_meta_model, check_keys
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
 
 #: The dense exports and their dtypes.
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-#: The compute dtypes a base can be loaded in (``CausalLMFineTune(compute_dtype=...)``).
-COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Bytes planned for a quant state's JSON entry, whose length depends on its values (about 200).
 _QUANT_STATE_JSON_BOUND = 1024
 # The NF4 code tables `save_pretrained` writes with each weight (NOTE [ NF4 bytes ]).
@@ -51,6 +51,7 @@ class MergePlan:
         into_original: Whether the delta goes into the checkpoint's own weights, not dequant(NF4).
         device: Where weights are quantized, dequantized and summed.
         compute_dtype: The dtype the base was loaded in for training.
+        compute_dtype_origin: Where ``compute_dtype`` comes from, in words (``"recorded with the adapter"``, ...).
         bnb_config: The base's NF4 settings.
         pre_quantized: Whether the checkpoint is saved in NF4 already.
         config: The base's config (the export's ``config.json`` starts from it).
@@ -66,6 +67,7 @@ class MergePlan:
     into_original: bool
     device: torch.device
     compute_dtype: torch.dtype
+    compute_dtype_origin: str
     bnb_config: BitsAndBytesConfig
     pre_quantized: bool
     config: Any
@@ -101,21 +103,25 @@ def plan_merge(
         mode: ``"bf16"``, ``"fp32"`` or ``"nf4"``.
         into_original: Merge into the checkpoint's own weights.
         device: Where to compute.
-        compute_dtype: The dtype training loaded the base in; ``None``: the adapter's record, else bfloat16.
+        compute_dtype: The dtype training loaded the base in; ``None``: the adapter's record, else bfloat16
+            (NOTE [ The training record of an adapter ] in export/training_record.py).
+
+    Warns:
+        UserWarning: When a merge quantizes the base in a compute dtype the adapter does not record: it records
+            none (``--compute-dtype`` not given either), or another than ``compute_dtype``.
 
     Raises:
         MisconfigurationException: If the base is missing, incomplete, corrupt or of another architecture than
-            the adapter, ``compute_dtype`` contradicts the adapter's record, or ``into_original`` is asked of a
-            base saved in NF4.
+            the adapter, or ``into_original`` is asked of a base saved in NF4.
     """
-    dtype = _compute_dtype(adapter, compute_dtype)
+    dtype, origin = _compute_dtype(adapter, compute_dtype)
     with ExitStack() as stack:
         try:
             config = load_config(base)
             bnb_config, pre_quantized = resolve_quantization(config, None, dtype)
             if pre_quantized:
                 # As `from_pretrained` and `load_blockwise` do: a quantized checkpoint loads in its own dtype.
-                dtype = saved_dtype(config, bnb_config)
+                dtype, origin = saved_dtype(config, bnb_config), "the NF4 checkpoint's own"
             model, _, prefixes = build_meta_model(config, bnb_config, dtype)
             keys = stack.enter_context(open_checkpoint(checkpoint_files(base)))
             check_keys(model, keys, prefixes, pre_quantized)
@@ -131,7 +137,10 @@ def plan_merge(
                 " unquantized checkpoint, or leave the flag out."
             )
         adapter.check_against(model, set(keys), base, merging=mode != "none")
-        yield _plan(adapter, base, mode, into_original, device, dtype, bnb_config, pre_quantized, model, keys)
+        if mode != "none" and not pre_quantized:
+            # Only where the base is quantized here do its NF4 bytes, and so the merge, depend on the dtype.
+            _warn_compute_dtype(adapter, compute_dtype, dtype)
+        yield _plan(adapter, base, mode, into_original, device, dtype, origin, bnb_config, pre_quantized, model, keys)
 
 
 def check_disk(target: Path, plan: MergePlan) -> None:
@@ -156,6 +165,7 @@ def _plan(
     into_original: bool,
     device: torch.device,
     dtype: torch.dtype,
+    origin: str,
     bnb_config: BitsAndBytesConfig,
     pre_quantized: bool,
     model: torch.nn.Module,
@@ -179,8 +189,8 @@ def _plan(
             itemsize = _output_dtype(mode, dtype, meta).itemsize
             planned.append(PlannedTensor(key, meta.dim(), meta.numel() * itemsize))
     return MergePlan(
-        adapter, base, mode, into_original, device, dtype, bnb_config, pre_quantized, model.config, keys, order,
-        four_bit, planned,
+        adapter, base, mode, into_original, device, dtype, origin, bnb_config, pre_quantized, model.config, keys,
+        order, four_bit, planned,
     )  # fmt: skip
 
 
@@ -191,16 +201,39 @@ def _output_dtype(mode: str, compute_dtype: torch.dtype, tensor: Tensor) -> torc
     return DENSE_DTYPES.get(mode, compute_dtype)
 
 
-def _compute_dtype(adapter: TrainedAdapter, given: str | None) -> torch.dtype:
+def _compute_dtype(adapter: TrainedAdapter, given: str | None) -> tuple[torch.dtype, str]:
+    """The dtype to quantize the base in, and where it comes from (NOTE [ The training record of an adapter ])."""
+    recorded = adapter.compute_dtype
     if given is None:
-        return adapter.compute_dtype or torch.bfloat16
+        if recorded is not None:
+            return recorded, "recorded with the adapter"
+        return torch.bfloat16, "the default: the adapter records none"
     dtype = getattr(torch, given)
-    if adapter.compute_dtype is not None and adapter.compute_dtype != dtype:
-        raise MisconfigurationException(
-            f"{_OWNER}: --compute-dtype {given} differs from the {adapter.compute_dtype} that {adapter.source} was"
-            " trained with, and the NF4 bytes it was trained on come from that dtype. Leave --compute-dtype out."
+    if recorded is not None and recorded != dtype:
+        return dtype, f"--compute-dtype, not the {dtype_name(recorded)} recorded with the adapter"
+    return dtype, "--compute-dtype"
+
+
+def _warn_compute_dtype(adapter: TrainedAdapter, given: str | None, dtype: torch.dtype) -> None:
+    """Warn when the base is quantized in a dtype the adapter does not say it was trained with."""
+    recorded = adapter.compute_dtype
+    if recorded is None and given is None:
+        warnings.warn(
+            f"{_OWNER}: {adapter.source} does not record the compute dtype it was trained with (an adapter saved by"
+            f" PEFT alone, or by an older lightning-blockwise), so the base is quantized in {dtype_name(dtype)}."
+            " The NF4 bytes, and so the merged model, depend on it: if training used another"
+            " (`CausalLMFineTune(compute_dtype=...)`), give it as --compute-dtype.",
+            UserWarning,
+            stacklevel=5,
         )
-    return dtype
+    elif recorded is not None and recorded != dtype:
+        warnings.warn(
+            f"{_OWNER}: --compute-dtype {given} differs from the {dtype_name(recorded)} that {adapter.source} was"
+            " trained with; the base is quantized to other NF4 bytes than training's, so the merged model is not the"
+            " one trained. Leave --compute-dtype out to merge what was trained.",
+            UserWarning,
+            stacklevel=5,
+        )
 
 
 def _planned_nf4(key: str, module: Linear4bit) -> list[PlannedTensor]:

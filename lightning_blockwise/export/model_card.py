@@ -39,6 +39,8 @@ def write_model_files(
     dtype: torch.dtype,
     quantization_config: BitsAndBytesConfig | None,
     facts: dict[str, Any],
+    *,
+    target: Path,
 ) -> None:
     """Write ``config.json`` and ``README.md`` into ``directory`` and copy the base's tokenizer and generation files.
 
@@ -48,8 +50,10 @@ def write_model_files(
         config: The base's config; changed here (dtype, quantization, the merge record) and saved.
         dtype: The dtype of the model's unquantized tensors.
         quantization_config: The NF4 settings of an NF4 export; ``None`` for a dense one.
-        facts: What was merged (``merge``, ``merged_into``, ``compute_dtype``, ``device``, ``adapter``, ``base``,
-            ``trained_on``, ``pre_quantized_base``, ``adapted_linears``).
+        facts: What was merged (``merge``, ``merged_into``, ``compute_dtype``, ``compute_dtype_origin``,
+            ``trained_compute_dtype``, ``device``, ``adapter``, ``base``, ``trained_on``, ``pre_quantized_base``,
+            ``adapted_linears``).
+        target: The directory ``directory`` becomes once complete, which the card names.
     """
     config.dtype = dtype
     if quantization_config is not None:
@@ -62,11 +66,16 @@ def write_model_files(
     for name in COPIED_FILES:
         if (base / name).is_file():
             shutil.copyfile(base / name, directory / name)
-    (directory / "README.md").write_text(model_card(facts, directory.name))
+    (directory / "README.md").write_text(model_card(facts, target))
 
 
-def model_card(facts: dict[str, Any], name: str) -> str:
-    """A ``README.md`` that says what the export holds and how it was made."""
+def model_card(facts: dict[str, Any], target: Path) -> str:
+    """A ``README.md`` that says what the export holds and how it was made.
+
+    Args:
+        facts: What was merged (see :func:`write_model_files`).
+        target: The export's final directory: the card's title is its name, its loading example its path.
+    """
     stored = "re-quantized to NF4 (bitsandbytes, double quantization)" if facts["merge"] == "nf4" else facts["merge"]
     delta = "(B @ A) * scaling"
     if facts["merged_into"] == "original":
@@ -77,12 +86,27 @@ def model_card(facts: dict[str, Any], name: str) -> str:
             " linear; it was written because `--merge-into-original` asked for it."
         )
     else:
+        compute, trained = facts["compute_dtype"], facts.get("trained_compute_dtype")
+        # A pre-quantized base is merged from its own NF4 bytes, which no compute dtype changes.
+        unknown = trained is None and not facts["pre_quantized_base"]
+        other = trained not in (None, compute) and not facts["pre_quantized_base"]
+        how = f"compute dtype {compute}: {facts['compute_dtype_origin']}; quantized on {facts['device']}"
         what = (
-            f"Each adapted linear holds `dequant(NF4(W)) + {delta}`: the base weight quantized exactly as training"
-            f" loaded it (compute dtype {facts['compute_dtype']}, quantized on {facts['device']}), dequantized, plus"
-            " the adapter's delta, which is the function the adapter was trained with. Linears without an adapter"
-            " hold `dequant(NF4(W))` (an NF4 export keeps their training NF4 bytes)."
+            f"Each adapted linear holds `dequant(NF4(W)) + {delta}`: the base weight quantized"
+            f"{'' if unknown or other else ' exactly as training loaded it'} ({how}), dequantized, plus the"
+            f" adapter's delta{'' if unknown or other else ', which is the function the adapter was trained with'}."
+            " Linears without an adapter hold `dequant(NF4(W))` (an NF4 export keeps their training NF4 bytes)."
         )
+        if other:
+            what += (
+                f"\n\n**Not the model that was trained.** The adapter was trained over the base quantized in {trained};"
+                f" `--compute-dtype {compute}` quantized it to other NF4 bytes."
+            )
+        elif unknown:
+            what += (
+                f"\n\nThe adapter does not record the compute dtype it was trained with; {compute} was assumed. If"
+                " training used another, this is not the model that was trained."
+            )
     trained_on = f" (trained on `{facts['trained_on']}`)" if facts.get("trained_on") else ""
     return f"""---
 library_name: transformers
@@ -91,7 +115,7 @@ tags:
 - merged-lora
 ---
 
-# {name}
+# {target.name}
 
 A causal LM with a LoRA adapter merged in, written by `lightning-blockwise export --merge {facts["merge"]}`.
 
@@ -110,7 +134,7 @@ A causal LM with a LoRA adapter merged in, written by `lightning-blockwise expor
 ```python
 from transformers import AutoModelForCausalLM
 
-model = AutoModelForCausalLM.from_pretrained("{name}")
+model = AutoModelForCausalLM.from_pretrained("{target.resolve()}")
 ```
 """
 

@@ -29,6 +29,7 @@ from lightning_blockwise.export.trained_adapter import (
     LoraModule,
     TrainedAdapter,
 )
+from lightning_blockwise.export.training_record import read_training_record
 
 # A key of PEFT's saved adapter (`base_model.model.<module>.lora_A.weight`) and of a LightningModule's
 # state dict around a PeftModel (`model.base_model.model.<module>.lora_A.default.weight`).
@@ -101,7 +102,8 @@ def _open_directory(path: Path) -> Iterator[TrainedAdapter]:
             config,
             keys,
             replacements,
-            compute_dtype=None,
+            # NOTE [ The training record of an adapter ] in export/training_record.py.
+            compute_dtype=read_training_record(path),
             trained_on=config.base_model_name_or_path,
             read=handle.get_tensor,
             shape=lambda key: tuple(handle.get_slice(key).get_shape()),

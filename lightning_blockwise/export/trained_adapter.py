@@ -14,6 +14,8 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from lightning_blockwise.export.training_record import write_training_record
+
 #: The files of a PEFT adapter directory, as ``PeftModel.save_pretrained`` writes them.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -62,7 +64,8 @@ class TrainedAdapter:
         modules: Adapted linear name -> its :class:`LoraModule`.
         replacements: Base checkpoint key -> the source key of the tensor saved with the adapter that PEFT loads
             in its place (``save_embedding_layers``).
-        compute_dtype: The compute dtype training loaded the base in, if the source says (a checkpoint does).
+        compute_dtype: The compute dtype training loaded the base in, if the source says (a checkpoint does, and
+            an adapter directory with its training record: NOTE [ The training record of an adapter ]).
         trained_on: The base checkpoint training used, if the source says.
         read: Source key -> the tensor (memory-mapped where the source allows).
         shape: Source key -> the tensor's shape, without reading it.
@@ -153,7 +156,13 @@ class TrainedAdapter:
                 )
 
     def write_peft(self, directory: Path, base: Path) -> None:
-        """Write the adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``)."""
+        """Write the adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``).
+
+        The compute dtype, where known, goes beside them (NOTE [ The training record of an adapter ] in
+        export/training_record.py), so that a merge from the written directory needs no ``--compute-dtype``.
+        """
+        if self.compute_dtype is not None:
+            write_training_record(directory, self.compute_dtype)
         if self.source.is_dir():
             # An adapter directory is copied as it is: nothing to gain from rewriting it.
             for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

@@ -293,7 +293,12 @@ class CausalLMFineTune(pl.LightningModule):
         self._exported = True
         if not self.trainer.is_global_zero:
             return
-        written = export_adapter(self.model, self._adapter_dir(), overwrite=self.hparams.overwrite_adapter)
+        written = export_adapter(
+            self.model,
+            self._adapter_dir(),
+            overwrite=self.hparams.overwrite_adapter,
+            compute_dtype=self.hparams.compute_dtype,
+        )
         rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_blockwise.cli import main
 from lightning_blockwise.export.model_card import CONFIG_KEY
+from lightning_blockwise.export.training_record import write_training_record
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,21 @@ def test_export_merges_with_the_options_given(
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
+
+
+def test_a_merge_says_which_compute_dtype_it_used(
+    checkpoints: dict[str, Path], adapter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NOTE [ The training record of an adapter ]: the recorded dtype is used and said; control: none recorded."""
+    recorded = tmp_path / "recorded"
+    shutil.copytree(adapter, recorded)
+    write_training_record(recorded, "float32")
+    main(["export", str(recorded), str(checkpoints["llama"]), str(tmp_path / "a"), "--merge", "bf16", "--quiet"])
+    said = capsys.readouterr().err
+    assert "merging with compute dtype float32 (recorded with the adapter)" in said
+    with pytest.warns(UserWarning, match="give it as --compute-dtype"):
+        main(["export", str(adapter), str(checkpoints["llama"]), str(tmp_path / "b"), "--merge", "bf16", "--quiet"])
+    assert "merging with compute dtype bfloat16 (the default: the adapter records none)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
