@@ -109,6 +109,7 @@ class StepBudget:
         block_layers: Sequence[int] = (),
         keep_activations: bool = False,
         window: int = 1,
+        ranks: int = 1,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -127,16 +128,20 @@ class StepBudget:
             block_layers: Decoder layers in each block.
             keep_activations: The ``keep_activations`` option.
             window: Micro-batches of a block-major window (1: none).
+            ranks: Data-parallel processes of the run: with several, DDP's gradient buckets (a flat copy of the
+                trainable gradients on each rank's device, `ModelSizes.per_rank` in planning) count as fixed bytes.
         """
         head = model.get_output_embeddings()
+        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        buckets = trainable if ranks > 1 else 0
         return cls(
             config=model.config,
             num_layers=len(find_decoder_stack(model, allow_unvalidated=True).layers),
             activation_bytes=head.weight.element_size() if head is not None else 2,
             block_bytes=list(block_bytes),
             prefetch_depth=prefetch_depth,
-            fixed_bytes=device_bytes(module, device) + blas_workspace_bytes(device, blas_threads(window)),
-            trainable_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad),
+            fixed_bytes=device_bytes(module, device) + blas_workspace_bytes(device, blas_threads(window)) + buckets,
+            trainable_bytes=trainable,
             budget=budget,
             offload=offload,
             loss_chunk_tokens=_declared_count(module, "loss_chunk_tokens"),
