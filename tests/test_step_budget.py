@@ -203,3 +203,19 @@ def test_a_longer_batch_over_the_budget_stops_before_its_step(
     # Control: the short batches fit that budget, without offload, and trained; the long one never reached its step.
     assert [tokens for tokens, _ in module.seen] == [SHORT, SHORT] and len(module.losses) == 2
     assert all(plan.tokens == SHORT and not plan.offload for _, plan in module.seen)
+
+
+def test_several_ranks_count_ddps_gradient_buckets_on_each_device() -> None:
+    """Under data parallelism DDP keeps a flat copy of the trainable gradients on each rank's device."""
+    module = CausalLMModule(lambda: build_model("llama"))
+    model = module.model
+    trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+    def budget(ranks: int) -> StepBudget:
+        return StepBudget.for_module(
+            module, model, [1024] * 4, torch.device("cpu"), prefetch_depth=2, budget=None, offload=None, ranks=ranks
+        )
+
+    one, two = budget(1), budget(2)
+    assert two.fixed_bytes - one.fixed_bytes == trainable > 0
+    assert budget(3).fixed_bytes == two.fixed_bytes, "one set of buckets per rank, whatever the world size"
