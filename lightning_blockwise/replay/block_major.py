@@ -8,18 +8,20 @@ once per pass for the whole window (NOTE [ Block-major accumulation ]).
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.layer import ReplayedLayer
 from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.replay.window_backward import SavedInput, differentiate_window
+from lightning_blockwise.replay.window_refusals import Intermediate, WindowError, draws_message, refuse_trainable_before
+from lightning_blockwise.replay.window_workers import Workers
 from lightning_blockwise.residency.base import Pass
 
 # NOTE [ Block-major accumulation ]
@@ -45,19 +47,9 @@ from lightning_blockwise.residency.base import Pass
 # micro-batches' gradients in the order resident accumulation gives them (0, 1, ..., G-1),
 # through its own `AccumulateGrad` (NOTE [ Exact rematerialization ] in remat.py): the sums
 # are the same, bit for bit. The recompute of a micro-batch's layer is exact as in remat.py.
-# The other layers' outputs go through `_Intermediate`, which refuses a gradient (a loss on
-# `output_hidden_states`): the window's backward could not carry it.
-#
-# What this cannot replay: random numbers in another order. Sequentially, micro-batch 1's
-# draws come after micro-batch 0's whole step; here they would come after micro-batch 0's layer
-# 0 only. So a layer that draws (dropout > 0) is refused: each layer's run, and the code between
-# layers, is checked to leave the generators as it found them. Of the other places that may
-# draw, the batches read ahead (a data pipeline in this process), the code before the decoder
-# and the code after it, any one alone keeps its order; two of them drawing would interleave
-# differently and are refused. Callbacks' draws in Lightning's own thread are not checked (they
-# run at the same points of the loop, but with other micro-batches' code moved around them).
-# The decoder's input gradient is not propagated (a trainable parameter before the decoder is
-# refused; an input that only requires grad, as PEFT's k-bit preparation makes it, is fine).
+# The other layers' outputs go through `Intermediate`, which refuses a gradient (a loss on
+# `output_hidden_states`): the window's backward could not carry it. What else a window cannot
+# run is refused: NOTE [ What a block-major window refuses ] in window_refusals.py.
 
 _local = threading.local()
 
@@ -67,21 +59,8 @@ def current_member() -> _Member | None:
     return getattr(_local, "member", None)
 
 
-class WindowError(RuntimeError):
-    """A block-major window could not run; the message says why and what to change."""
-
-
 class _Aborted(BaseException):
     """Raised in a window's threads to unwind them when the window is abandoned (not an error of theirs)."""
-
-
-@dataclass
-class _Saved:
-    """What a micro-batch's layer keeps for the window's backward."""
-
-    hidden: Tensor
-    version: int
-    call: LayerCall
 
 
 @dataclass
@@ -117,7 +96,7 @@ class Window:
         self._error: BaseException | None = None
         self._aborted = False
         self._forward_done = False
-        self._saved: list[list[_Saved | None]] = [[None] * num_layers for _ in range(count)]
+        self._saved: list[list[SavedInput | None]] = [[None] * num_layers for _ in range(count)]
         self._remats: list[ReplayedLayer | None] = [None] * num_layers
         self._grads: dict[int, Tensor] = {}
         self._backward_done = False
@@ -148,7 +127,7 @@ class Window:
             result = step(k)
             drew_elsewhere = self.drew_ahead or any(self._drew_before[k + 1 :])
             if k in self._tail_rng and not self._tail_rng[k].unchanged() and drew_elsewhere:
-                raise WindowError(_draws_message(f"the code after the decoder in micro-batch {k}'s training_step"))
+                raise WindowError(draws_message(f"the code after the decoder in micro-batch {k}'s training_step"))
             with self._cond:
                 if self._layer_reached[k] == -1:
                     # Returned before the decoder: nothing of it is in the window's layers.
@@ -219,15 +198,15 @@ class Window:
                 " `generate`). Set `block_major_accumulation=False` for this module."
             )
         if layer == 0:
-            _refuse_trainable_before(hidden)
+            refuse_trainable_before(hidden)
             self._drew_before[k] = not self._start_rng[k].unchanged()
             if self._drew_before[k] and self.drew_ahead:
-                raise WindowError(_draws_message(f"the code before the decoder in micro-batch {k}'s training_step"))
+                raise WindowError(draws_message(f"the code before the decoder in micro-batch {k}'s training_step"))
         else:
             # The code between two layers ran in this micro-batch's turn; only now does the turn pass on.
             if not self._layer_end_rng[k].unchanged():
                 raise WindowError(
-                    _draws_message(f"the code between decoder layers {layer - 1} and {layer} of micro-batch {k}")
+                    draws_message(f"the code between decoder layers {layer - 1} and {layer} of micro-batch {k}")
                 )
             with self._cond:
                 self._advance(layer - 1, k)
@@ -245,8 +224,8 @@ class Window:
             with torch.no_grad():
                 output = remat.run_once(hidden, call)
         if not rng.unchanged():
-            raise WindowError(_draws_message(f"decoder layer {layer} of micro-batch {k}"))
-        self._saved[k][layer] = _Saved(hidden, hidden._version, call)
+            raise WindowError(draws_message(f"decoder layer {layer} of micro-batch {k}"))
+        self._saved[k][layer] = SavedInput(hidden, hidden._version, call)
         with self._cond:
             if k == self._active[-1]:
                 self._release(layer)
@@ -257,7 +236,7 @@ class Window:
             # Nothing drew during the layer (checked above): its starting state is the state at its end.
             self._layer_end_rng[k] = rng
             # Differentiable only to refuse a loss on it (`output_hidden_states`): its gradient would be lost.
-            return _Intermediate.apply(layer, k, output, remat.anchor)
+            return Intermediate.apply(layer, k, output, remat.anchor)
         # The rest of the step runs when Lightning asks for this micro-batch (`result`).
         self._wait(("tail", k))
         self._tail_rng[k] = RngSnapshot.capture(hidden.device)
@@ -316,95 +295,9 @@ class Window:
         if self._backward_done or not self._grads:
             return
         self._backward_done = True
-        order = sorted(self._grads)
-        grads = [self._grads[k] for k in order]
-        for layer in reversed(range(self.num_layers)):
-            remat = self._remats[layer]
-            assert remat is not None
-            params = [p for p in remat.params if p.requires_grad]
-            remat.residency.acquire(layer, Pass.BACKWARD)
-            for position, k in enumerate(order):
-                saved = self._saved[k][layer]
-                assert saved is not None
-                self._saved[k][layer] = None
-                if saved.hidden._version != saved.version:
-                    raise WindowError(
-                        f"BlockwiseStrategy(block_major_accumulation=True): the input of decoder layer {layer} of"
-                        f" micro-batch {k} was modified in place after the layer ran; the recompute would differ."
-                    )
-                x = saved.hidden.detach().requires_grad_(layer > 0)
-                with torch.enable_grad(), saved.call.autocast_context():
-                    output = remat.rerun(x, saved.call)
-                inputs = [x, *params] if layer > 0 else params
-                if inputs:
-                    torch.autograd.backward(output, grads[position], inputs=inputs)
-                del output
-                grads[position] = x.grad if layer > 0 else None
-            remat.residency.release(layer, Pass.BACKWARD)
+        order = sorted(self._grads)  # the order resident accumulation gives the adapters their gradients
+        differentiate_window(self._remats, self._saved, order, [self._grads[k] for k in order])
         self._grads = {}
-
-
-class Workers:
-    """Long-lived threads that run a window's micro-batches, one each, for the whole run.
-
-    Threads made per window would each take fresh per-thread CUDA library state (cuBLAS handles)
-    every window; these keep theirs.
-
-    Args:
-        count: Threads (the largest window).
-        device: The compute device, made current in each thread.
-    """
-
-    def __init__(self, count: int, device: torch.device) -> None:
-        self._queues: list[queue.SimpleQueue[Callable[[], None] | None]] = [queue.SimpleQueue() for _ in range(count)]
-        self._threads = [
-            threading.Thread(target=self._serve, args=(jobs, device), name=f"block-major-{k}", daemon=True)
-            for k, jobs in enumerate(self._queues)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None], device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        while (job := jobs.get()) is not None:
-            job()
-
-    def submit(self, k: int, job: Callable[[], None]) -> None:
-        """Run ``job`` on thread ``k`` (after its earlier jobs)."""
-        self._queues[k].put(job)
-
-    def close(self) -> None:
-        """Stop the threads once their jobs are done."""
-        for jobs in self._queues:
-            jobs.put(None)
-        for thread in self._threads:
-            thread.join()
-
-
-class _Intermediate(torch.autograd.Function):
-    """A decoder layer's output inside a window, other than the last: a gradient reaching it is refused.
-
-    The layers below the last run without a graph (NOTE [ Block-major accumulation ]), so a loss on an
-    intermediate hidden state (``output_hidden_states``) would lose its gradient; this node makes that an error.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, layer: int, k: int, output: Tensor, anchor: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.layer, ctx.k = layer, k
-        ctx.set_materialize_grads(False)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor | None) -> tuple[None, ...]:
-        if grad is not None:
-            raise WindowError(
-                f"BlockwiseStrategy(block_major_accumulation=True): the loss of micro-batch {ctx.k} depends on the"
-                f" output of decoder layer {ctx.layer} (`output_hidden_states`?), whose gradient a block-major window"
-                " does not carry; use only the decoder's last output, or set `block_major_accumulation=False`."
-            )
-        return (None,) * 4
 
 
 class _WindowTop(torch.autograd.Function):
@@ -426,40 +319,6 @@ class _WindowTop(torch.autograd.Function):
         if grad_output is not None:
             ctx.window.stash(ctx.k, grad_output)
         return (None,) * 6
-
-
-def _refuse_trainable_before(hidden: Tensor) -> None:
-    """Refuse a decoder input that trainable parameters feed: its gradient is not propagated.
-
-    A tensor that merely requires a gradient (``enable_input_require_grads``, as PEFT's
-    ``prepare_model_for_kbit_training`` sets on the embedding's output) has no parameter behind it.
-    """
-    if isinstance(hidden, nn.Parameter):
-        raise WindowError(_TRAINABLE_BEFORE)
-    seen, todo = set(), [hidden.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if isinstance(getattr(node, "variable", None), nn.Parameter):
-            raise WindowError(_TRAINABLE_BEFORE)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-
-
-_TRAINABLE_BEFORE = (
-    "BlockwiseStrategy(block_major_accumulation=True): trainable parameters feed the decoder's input (e.g. a"
-    " trainable embedding, `modules_to_save=['embed_tokens']`); block-major accumulation does not propagate the"
-    " gradient below the decoder. Freeze them, or set `block_major_accumulation=False`."
-)
-
-
-def _draws_message(where: str) -> str:
-    return (
-        f"BlockwiseStrategy(block_major_accumulation=True): {where} drew random numbers (dropout > 0?). Block-major"
-        " accumulation runs a window's micro-batches layer by layer, which would change the order of their random"
-        " numbers; set the adapters' and the model's dropout to 0, or set `block_major_accumulation=False`."
-    )
 
 
 __all__ = ["Window", "WindowError", "Workers", "current_member"]

@@ -17,8 +17,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_blockwise.architectures import DecoderStack
-from lightning_blockwise.replay.block_major import Window, WindowError, Workers
+from lightning_blockwise.replay.block_major import Window
 from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.replay.window_refusals import WindowError
+from lightning_blockwise.replay.window_workers import Workers
 
 # NOTE [ A window's batches ]
 # A window's micro-batches must all be at hand when its first one is due (NOTE [ Block-major

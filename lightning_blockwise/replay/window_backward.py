@@ -1,0 +1,71 @@
+"""The backward of a block-major window: the decoder differentiated block by block, every micro-batch per block.
+
+NOTE [ Block-major accumulation ] in block_major.py says why the window's layers run without a graph and
+how this recompute stays exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_blockwise.replay.capture import LayerCall
+from lightning_blockwise.replay.layer import ReplayedLayer
+from lightning_blockwise.replay.window_refusals import WindowError
+from lightning_blockwise.residency.base import Pass
+
+
+@dataclass
+class SavedInput:
+    """What a micro-batch's layer keeps for the window's backward: its input, that input's version, its call."""
+
+    hidden: Tensor
+    version: int
+    call: LayerCall
+
+
+def differentiate_window(
+    remats: list[ReplayedLayer | None],
+    saved_inputs: list[list[SavedInput | None]],
+    order: list[int],
+    grads: list[Tensor | None],
+) -> None:
+    """Recompute and differentiate each layer, last first, for micro-batches ``order`` in that order.
+
+    Args:
+        remats: The window's decoder layers, by index.
+        saved_inputs: ``saved_inputs[k][layer]``, each dropped once used.
+        order: The micro-batches whose gradient reached the top of the decoder.
+        grads: The gradient at the top of the decoder of each micro-batch of ``order``.
+
+    Raises:
+        WindowError: If a layer's saved input was modified in place after the layer ran.
+    """
+    for layer in reversed(range(len(remats))):
+        remat = remats[layer]
+        assert remat is not None
+        params = [p for p in remat.params if p.requires_grad]
+        remat.residency.acquire(layer, Pass.BACKWARD)
+        for position, k in enumerate(order):
+            saved = saved_inputs[k][layer]
+            assert saved is not None
+            saved_inputs[k][layer] = None
+            if saved.hidden._version != saved.version:
+                raise WindowError(
+                    f"BlockwiseStrategy(block_major_accumulation=True): the input of decoder layer {layer} of"
+                    f" micro-batch {k} was modified in place after the layer ran; the recompute would differ."
+                )
+            x = saved.hidden.detach().requires_grad_(layer > 0)
+            with torch.enable_grad(), saved.call.autocast_context():
+                output = remat.rerun(x, saved.call)
+            inputs = [x, *params] if layer > 0 else params
+            if inputs:
+                torch.autograd.backward(output, grads[position], inputs=inputs)
+            del output
+            grads[position] = x.grad if layer > 0 else None
+        remat.residency.release(layer, Pass.BACKWARD)
+
+
+__all__ = ["SavedInput", "differentiate_window"]
