@@ -1,6 +1,6 @@
 """Writing full-state checkpoint files: no temporary file left by a killed writer, a full disk said as such.
 
-NOTE [ Temporary checkpoint files ] in checkpointing.py.
+NOTE [ Temporary checkpoint files ] in checkpoint_files.py.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_blockwise.strategy import checkpointing
-from lightning_blockwise.strategy.checkpointing import remove_stale_temporaries, save_unbuffered
+from lightning_blockwise.strategy import checkpoint_files
+from lightning_blockwise.strategy.checkpoint_files import remove_stale_temporaries, save_unbuffered
 
 # A writer killed halfway through its temporary file, as SIGKILL or the OOM killer would.
 _KILLED_WRITER = """
 import os, signal, sys, torch
 from pathlib import Path
-from lightning_blockwise.strategy.checkpointing import save_unbuffered
+from lightning_blockwise.strategy.checkpoint_files import save_unbuffered
 
 def half_then_die(obj, name):
     with open(name, "wb") as f:
@@ -57,7 +57,7 @@ def test_only_dead_writers_of_this_host_are_cleaned(tmp_path: Path) -> None:
     """A live writer's file, another host's, and files named otherwise are left alone."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    host = checkpointing._host()
+    host = checkpoint_files._host()
     names = {
         "dead": f".a.ckpt.{host}-{dead_pid}.abc_123.tmp",
         "live": f".a.ckpt.{host}-{os.getpid()}.abc_123.tmp",
@@ -130,7 +130,7 @@ def test_a_bad_ckpt_path_is_refused_naming_the_file(tmp_path: Path, kind: str, s
 
 
 def test_control_a_good_checkpoint_file_passes_the_check(tmp_path: Path) -> None:
-    from lightning_blockwise.strategy.checkpointing import check_checkpoint_file
+    from lightning_blockwise.strategy.checkpoint_files import check_checkpoint_file
 
     _bad_files(tmp_path)
     check_checkpoint_file(tmp_path / "good.ckpt")

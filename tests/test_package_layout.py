@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
         "loading",
         "sizing",
         "strategy.checkpointing",
+        "strategy.checkpoint_files",
         "strategy.device_memory",
         "strategy.rank_watchdog",
         "strategy.streamed_stack",

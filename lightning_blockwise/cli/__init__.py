@@ -41,7 +41,7 @@ from lightning_blockwise.cli.old_class_paths import refuse_removed_class_path
 from lightning_blockwise.cli.plan_command import PLAN_COMMAND, plan, plan_report
 from lightning_blockwise.cli.progress_bar_flag import drop_progress_bars
 from lightning_blockwise.compat.versions import VERSIONS_COMMAND, versions_command
-from lightning_blockwise.strategy.checkpointing import check_checkpoint_file
+from lightning_blockwise.strategy.checkpoint_files import check_checkpoint_file
 
 #: What ``lightning-blockwise --help`` says: every command, LightningCLI's and those dispatched by `main`.
 DESCRIPTION = (

@@ -31,8 +31,9 @@ from lightning_blockwise.strategy.accumulation import (
     planned_window,
     refuse_unsupported,
 )
+from lightning_blockwise.strategy.checkpoint_files import check_checkpoint_file, save_unbuffered
 from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
-from lightning_blockwise.strategy.checkpointing import FrozenBase, check_checkpoint_file, save_unbuffered
+from lightning_blockwise.strategy.checkpointing import FrozenBase
 from lightning_blockwise.strategy.data_parallel import DataParallelStrategy
 from lightning_blockwise.strategy.device_memory import check_cap
 from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
