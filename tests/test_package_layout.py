@@ -43,6 +43,7 @@ LAYERS: list[set[str]] = [
         "strategy.step_planner",
         "strategy.step_timing",
         "strategy.checkpoint_hooks",
+        "strategy.resumable",
         "strategy.module_placement",
         "strategy.data_parallel",
         "strategy.accumulation",

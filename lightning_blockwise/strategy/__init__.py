@@ -2,9 +2,10 @@
 
 Its options (``options.py``), where the module goes (``module_placement.py``), the step plan over the run and
 its budget (``step_planner.py``, ``step_budget.py``, ``step_timing.py``), the decoder stack it streams
-(``streamed_stack.py``), checkpoints (``checkpointing.py``, ``checkpoint_files.py``, ``checkpoint_hooks.py``),
-device memory (``device_memory.py``), block-major windows (``accumulation.py``), data parallelism
-(``data_parallel.py``, ``rank_watchdog.py``) and what callbacks ask it (``queries.py``).
+(``streamed_stack.py``), checkpoints (``checkpointing.py``, ``checkpoint_files.py``, ``checkpoint_hooks.py``, and
+the Lightning hooks that save and resume them, ``resumable.py``), device memory (``device_memory.py``),
+block-major windows (``accumulation.py``), data parallelism (``data_parallel.py``, ``rank_watchdog.py``) and what
+callbacks ask it (``queries.py``).
 """
 
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,28 +30,19 @@ from lightning_blockwise.strategy.accumulation import (
     planned_window,
     refuse_unsupported,
 )
-from lightning_blockwise.strategy.checkpoint_files import check_checkpoint_file, save_unbuffered
 from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.strategy.checkpointing import FrozenBase
-from lightning_blockwise.strategy.data_parallel import DataParallelStrategy
 from lightning_blockwise.strategy.device_memory import check_cap
 from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
-from lightning_blockwise.strategy.options import (
-    budget_bytes,
-    check_bool,
-    check_count,
-    check_device,
-    check_optional_bool,
-    refuse_compiled,
-    refuse_cpu_eval_mode_4bit,
-)
+from lightning_blockwise.strategy.options import budget_bytes, check_options, refuse_compiled, refuse_cpu_eval_mode_4bit
 from lightning_blockwise.strategy.queries import BlockwiseQueries
+from lightning_blockwise.strategy.resumable import ResumableStrategy
 from lightning_blockwise.strategy.step_budget import DEFAULT_TOKENS, StepBudget, declared_tokens
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 
-class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
+class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
     """Train PEFT adapters on a frozen Hugging Face decoder stack that is rematerialized layer by layer.
 
     After the usual single-device setup the strategy finds the decoder layers of the Hugging Face model inside
@@ -154,28 +144,19 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        check_count("block_size", block_size)
-        check_count(
-            "prefetch_depth",
-            prefetch_depth,
-            " the block after the one in use has to be on its way for copies to overlap compute.",
+        check_options(
+            block_size=block_size,
+            prefetch_depth=prefetch_depth,
+            budget_tokens=budget_tokens,
+            offload_activations=offload_activations,
+            keep_activations=keep_activations,
+            block_major_accumulation=block_major_accumulation,
+            allow_unvalidated=allow_unvalidated,
+            save_frozen_base=save_frozen_base,
+            share_host_copy=share_host_copy,
+            device=device,
+            parallel_devices=parallel_devices,
         )
-        if budget_tokens is not None:
-            check_count("budget_tokens", budget_tokens)
-        check_optional_bool("offload_activations", offload_activations)
-        check_bool("keep_activations", keep_activations)
-        check_bool("block_major_accumulation", block_major_accumulation)
-        if block_major_accumulation and offload_activations:
-            raise MisconfigurationException(
-                "`BlockwiseStrategy(block_major_accumulation=True, offload_activations=True)`: a block-major window"
-                " saves its micro-batches' layer inputs on the device; leave `offload_activations` unset (or False)."
-            )
-        check_device(device)
-        if device is not None and parallel_devices is not None:
-            raise MisconfigurationException(
-                f"`BlockwiseStrategy` was given both `device={device!r}` and `parallel_devices={parallel_devices!r}`;"
-                " pass one (or neither, and let the Trainer's `devices` decide)."
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=[torch.device(device)] if device is not None else parallel_devices,
@@ -193,11 +174,8 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
         self.offload_activations = offload_activations
         self.keep_activations = keep_activations
         self._planner: StepPlanner | None = None
-        check_bool("allow_unvalidated", allow_unvalidated)
         self.allow_unvalidated = allow_unvalidated
-        check_bool("save_frozen_base", save_frozen_base)
         self.save_frozen_base = save_frozen_base
-        check_optional_bool("share_host_copy", share_host_copy)
         self.share_host_copy = share_host_copy
         self.block_major_accumulation = block_major_accumulation
         self._block_major: BlockMajorSteps | None = None
@@ -321,73 +299,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
             closure = self._block_major.closure_then_window(closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A checkpoint's frozen tensors (`save_frozen_base=True`) go into the host arena, and its base
-        # fingerprint is compared with the packed base's: both exist only after setup.
-        return True
-
-    @property
-    def base_fingerprint(self) -> str | None:
-        """The fingerprint of the frozen base that checkpoints record (NOTE [ Lean checkpoints ]); set at setup."""
-        return self._checkpoints.fingerprint
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The state dict without the frozen base, or with it read from the host copy (NOTE [ Lean checkpoints ])."""
-        return self._checkpoints.state_dict(super().lightning_module_state_dict(), self.save_frozen_base)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
-    ) -> None:
-        if self._block_major is not None:
-            self._block_major.checkpoint_loader_state(checkpoint)
-        self._checkpoints.record(checkpoint, self.save_frozen_base)
-        if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        # Lightning's `TorchCheckpointIO` serializes into an in-memory buffer first, which for a full-state
-        # checkpoint would copy the whole base in host RAM.
-        save_unbuffered(checkpoint, Path(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        # A bad `ckpt_path` fails naming the file and the problem, not deep inside torch's unpickler.
-        check_checkpoint_file(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a lean or full checkpoint into the set-up module; refuse one of another base.
-
-        See :meth:`~lightning_blockwise.strategy.checkpoint_hooks.CheckpointHooks.load`.
-
-        Raises:
-            MisconfigurationException: If the checkpoint was written over another base, lacks trainable
-                parameters, or (with ``strict``) has keys the module does not or lacks others.
-        """
-        if self._checkpoints.base is None:
-            super().load_model_state_dict(checkpoint, strict=strict)
-            return
-        read_only = self._host_copy is not None and self._host_copy.arena.read_only
-        if self._host_copy is not None and self._checkpoints.base.has_base(checkpoint.get("state_dict", {})):
-            self._host_copy.prepare_base_write("BlockwiseStrategy")  # NOTE [ One host copy per machine ]
-        self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers, read_only)
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._checkpoints.resume_rng(checkpoint, self.global_rank, self.world_size)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        # NOTE [ Loader state restored late ] in checkpoint_hooks.py, then NOTE [ Exact resume ] in replay/rng.py:
-        # after every `on_train_start` hook, before the first batch.
-        fit_loop = self.lightning_module.trainer.fit_loop
-        self._checkpoints.resume_loader(fit_loop)
-        if self._checkpoints.restore_rng():
-            self._checkpoints.restart_epoch(fit_loop)
-
     @override
     def teardown(self) -> None:
         if self._block_major is not None:
@@ -409,10 +320,6 @@ class BlockwiseStrategy(BlockwiseQueries, DataParallelStrategy):
                 cls,
                 description="Frozen decoder layers rematerialized and streamed block by block (lightning-blockwise)",
             )
-
-
-def _is_local(path: str | Path) -> bool:
-    return "://" not in str(path)
 
 
 __all__ = ["BlockwiseStrategy"]

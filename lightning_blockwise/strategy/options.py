@@ -59,6 +59,52 @@ def check_device(device: _DEVICE | None) -> None:
         )
 
 
+def check_options(
+    *,
+    block_size: Any,
+    prefetch_depth: Any,
+    budget_tokens: Any,
+    offload_activations: Any,
+    keep_activations: Any,
+    block_major_accumulation: Any,
+    allow_unvalidated: Any,
+    save_frozen_base: Any,
+    share_host_copy: Any,
+    device: _DEVICE | None,
+    parallel_devices: Any,
+) -> None:
+    """Refuse ``BlockwiseStrategy``'s options that are of the wrong type or range, or that do not go together.
+
+    Raises:
+        MisconfigurationException: Naming the option, its value and the fix.
+    """
+    check_count("block_size", block_size)
+    check_count(
+        "prefetch_depth",
+        prefetch_depth,
+        " the block after the one in use has to be on its way for copies to overlap compute.",
+    )
+    if budget_tokens is not None:
+        check_count("budget_tokens", budget_tokens)
+    check_optional_bool("offload_activations", offload_activations)
+    check_bool("keep_activations", keep_activations)
+    check_bool("block_major_accumulation", block_major_accumulation)
+    if block_major_accumulation and offload_activations:
+        raise MisconfigurationException(
+            "`BlockwiseStrategy(block_major_accumulation=True, offload_activations=True)`: a block-major window"
+            " saves its micro-batches' layer inputs on the device; leave `offload_activations` unset (or False)."
+        )
+    check_device(device)
+    if device is not None and parallel_devices is not None:
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy` was given both `device={device!r}` and `parallel_devices={parallel_devices!r}`;"
+            " pass one (or neither, and let the Trainer's `devices` decide)."
+        )
+    check_bool("allow_unvalidated", allow_unvalidated)
+    check_bool("save_frozen_base", save_frozen_base)
+    check_optional_bool("share_host_copy", share_host_copy)
+
+
 def refuse_compiled(module: torch.nn.Module) -> None:
     """Refuse ``torch.compile`` anywhere in the module, with the reason, before any model work."""
     compiled = getattr(module, "_compiler_ctx", None) is not None or any(
@@ -98,6 +144,7 @@ __all__ = [
     "check_count",
     "check_device",
     "check_optional_bool",
+    "check_options",
     "refuse_compiled",
     "refuse_cpu_eval_mode_4bit",
 ]

@@ -1,0 +1,113 @@
+"""The strategy's checkpoint hooks: lean or full state dicts, unbuffered saves, checked loads, an exact resume.
+
+What a checkpoint holds is decided in checkpointing.py and checkpoint_hooks.py; these are the Lightning
+``Strategy`` hooks that hand them the module and the files, mixed into
+:class:`~lightning_blockwise.BlockwiseStrategy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_blockwise.residency.placement import HostCopy
+from lightning_blockwise.strategy.accumulation import BlockMajorSteps
+from lightning_blockwise.strategy.checkpoint_files import check_checkpoint_file, save_unbuffered
+from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_blockwise.strategy.data_parallel import DataParallelStrategy
+from lightning_blockwise.strategy.streamed_stack import StreamedStack
+
+
+class ResumableStrategy(DataParallelStrategy):
+    """Checkpoint and resume hooks of :class:`~lightning_blockwise.BlockwiseStrategy`, over its set-up state."""
+
+    _checkpoints: CheckpointHooks
+    _host_copy: HostCopy | None
+    _layers: StreamedStack | None
+    _block_major: BlockMajorSteps | None
+    save_frozen_base: bool
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A checkpoint's frozen tensors (`save_frozen_base=True`) go into the host arena, and its base
+        # fingerprint is compared with the packed base's: both exist only after setup.
+        return True
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        """The fingerprint of the frozen base that checkpoints record; set at setup.
+
+        See NOTE [ Lean checkpoints ] in checkpointing.py.
+        """
+        return self._checkpoints.fingerprint
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The state dict without the frozen base, or with it read from the host copy.
+
+        See NOTE [ Lean checkpoints ] in checkpointing.py.
+        """
+        return self._checkpoints.state_dict(super().lightning_module_state_dict(), self.save_frozen_base)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if self._block_major is not None:
+            self._block_major.checkpoint_loader_state(checkpoint)
+        self._checkpoints.record(checkpoint, self.save_frozen_base)
+        if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Lightning's `TorchCheckpointIO` serializes into an in-memory buffer first, which for a full-state
+        # checkpoint would copy the whole base in host RAM.
+        save_unbuffered(checkpoint, Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        # A bad `ckpt_path` fails naming the file and the problem, not deep inside torch's unpickler.
+        check_checkpoint_file(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a lean or full checkpoint into the set-up module; refuse one of another base.
+
+        See :meth:`~lightning_blockwise.strategy.checkpoint_hooks.CheckpointHooks.load`.
+
+        Raises:
+            MisconfigurationException: If the checkpoint was written over another base, lacks trainable
+                parameters, or (with ``strict``) has keys the module does not or lacks others.
+        """
+        if self._checkpoints.base is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        read_only = self._host_copy is not None and self._host_copy.arena.read_only
+        if self._host_copy is not None and self._checkpoints.base.has_base(checkpoint.get("state_dict", {})):
+            # NOTE [ One host copy per machine ] in residency/shared_arena.py.
+            self._host_copy.prepare_base_write("BlockwiseStrategy")
+        self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers, read_only)
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._checkpoints.resume_rng(checkpoint, self.global_rank, self.world_size)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # NOTE [ Loader state restored late ] in checkpoint_hooks.py, then NOTE [ Exact resume ] in replay/rng.py:
+        # after every `on_train_start` hook, before the first batch.
+        fit_loop = self.lightning_module.trainer.fit_loop
+        self._checkpoints.resume_loader(fit_loop)
+        if self._checkpoints.restore_rng():
+            self._checkpoints.restart_epoch(fit_loop)
+
+
+def _is_local(path: str | Path) -> bool:
+    return "://" not in str(path)
+
+
+__all__ = ["ResumableStrategy"]
