@@ -42,7 +42,8 @@ from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
 from lightning_blockwise.loading.sharing import share_enabled, share_key
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.placement import HostCopy, attach_host_copy
-from lightning_blockwise.residency.shared_arena import ArenaClaim, attach_or_own, serve_or_release
+from lightning_blockwise.residency.shared_arena import ArenaClaim
+from lightning_blockwise.residency.sharing import attach_or_own, serve_or_release
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.binding import bind, bind_checked, pack, unbound
 from lightning_blockwise.residency.layout import BlockLayout, layout_block
-from lightning_blockwise.residency.shared_arena import ArenaClaim, attach_or_own, serve_or_release
+from lightning_blockwise.residency.shared_arena import ArenaClaim
+from lightning_blockwise.residency.sharing import attach_or_own, serve_or_release
 
 # The attribute of the Hugging Face model that holds its host copy, so that the copy lives exactly
 # as long as the model (NOTE [ Exact-size pinned memory ] in residency/arena.py). Read and written only by

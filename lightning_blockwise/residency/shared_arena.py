@@ -30,13 +30,10 @@ from types import TracebackType
 from typing import Any
 
 from lightning_blockwise.residency.arena import HostArena, meminfo_bytes
-from lightning_blockwise.residency.fd_socket import encode, listen, peer, receive, serve, socket_address
+from lightning_blockwise.residency.fd_socket import encode, listen, serve, socket_address
+from lightning_blockwise.residency.owner_connection import NO_ANSWER, connect_to_owner, receive_from_owner
 
 log = logging.getLogger(__name__)
-
-#: How long a process waits for another one to finish loading or packing the copy it shares (a 72B base
-#: loads in about 20 s from a warm page cache on the H100 machine; a cold disk takes minutes).
-SHARE_TIMEOUT_S = 3600.0
 
 #: How long a process tries to reach an owner of its own user on a key's address before it loads a copy of
 #: its own (NOTE [ Addresses no other user can take ] in fd_socket.py): a real owner listens from the moment
@@ -45,9 +42,6 @@ REACH_TIMEOUT_S = 10.0
 
 #: The claims this process owns (a claim lives as long as the copy it serves).
 _OWNED: weakref.WeakValueDictionary[str, ArenaClaim] = weakref.WeakValueDictionary()
-
-# Why a peer could not reach an owner, when the address refused its connection.
-_NO_ANSWER = "it is bound, but no process answers on it"
 
 # How long a peer waits before it connects again when nobody listens on the address yet.
 _RETRY_INTERVAL_S = 0.02
@@ -107,35 +101,6 @@ def owned_here(key: str) -> bool:
     """Whether this process owns ``key``'s copy now (a second load or pack of it here should not map its own)."""
     owner = _OWNED.get(key)
     return owner is not None and owner.owner and owner._listener is not None
-
-
-def attach_or_own(key: str | None, pin: bool) -> tuple[ArenaClaim | None, HostArena | None]:
-    """The claim on ``key`` (``None``: not shared, or this process owns it already) and, for a peer, the owner's arena.
-
-    The owner (an arena of ``None``) builds its arena and ends with :func:`serve_or_release`. A process that
-    reaches no owner (:meth:`ArenaClaim.attach`) gets ``(None, None)``: it builds a copy of its own, whose host
-    RAM its caller checks as for any unshared load.
-    """
-    if key is None or owned_here(key):
-        return None, None
-    taken = claim(key)
-    if taken.owner:
-        return taken, None
-    attached = taken.attach(pin=pin, timeout=SHARE_TIMEOUT_S)  # None: the owner died first, this process owns
-    if attached is None:
-        return (taken, None) if taken.owner else (None, None)
-    return taken, attached[0]
-
-
-def serve_or_release(taken: ArenaClaim | None, arena: HostArena, meta: dict[str, Any]) -> ArenaClaim | None:
-    """Publish ``arena`` if this process owns the claim (returned: it serves while the copy lives), else release it."""
-    if taken is None:
-        return None
-    if taken.owner:
-        taken.publish(arena, meta)
-        return taken
-    taken.release()
-    return None
 
 
 def claim(key: str) -> ArenaClaim:
@@ -260,8 +225,8 @@ class ArenaClaim:
         owners_lost = 0
         holder = None  # another user's process seen on the address (its backlog may be full afterwards)
         while True:
-            connection, why = self._connect(deadline, timeout, unreachable_after)
-            holder = why if why not in (None, _NO_ANSWER) else holder
+            connection, why = connect_to_owner(self.address, self.key, deadline, timeout, unreachable_after)
+            holder = why if why not in (None, NO_ANSWER) else holder
             if connection is None:
                 # Nobody of this user listens: the owner is gone (the address is free, take it), has bound the
                 # address and not listened yet (microseconds), or someone else holds it and never answers.
@@ -273,7 +238,7 @@ class ArenaClaim:
                 time.sleep(_RETRY_INTERVAL_S)
                 continue
             with connection:
-                received = self._receive(connection, deadline, timeout)
+                received = receive_from_owner(connection, self.key, deadline, timeout)
             # An owner of this user answered: a new owner, if this one is lost, gets the same bound to answer.
             unreachable_after = time.monotonic() + min(timeout, reach_timeout)
             if received is None:
@@ -328,58 +293,12 @@ class ArenaClaim:
         _OWNED[self.key] = self
         return True
 
-    def _connect(
-        self, deadline: float, timeout: float, unreachable_after: float
-    ) -> tuple[socket.socket, None] | tuple[None, str]:
-        """A connection to this user's owner of the address, or ``None`` and why there is none."""
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # A full backlog blocks `connect`; only an owner that answers earns the longer wait.
-            connection.settimeout(max(1e-3, min(unreachable_after, deadline) - time.monotonic()))
-            connection.connect(self.address)
-        except (ConnectionRefusedError, BlockingIOError, TimeoutError):
-            connection.close()
-            self._remaining(deadline, timeout, owner_pid=None)
-            return None, _NO_ANSWER
-        except BaseException:
-            connection.close()
-            raise
-        pid, uid = peer(connection)
-        if uid != os.getuid():
-            # NOTE [ One host copy per machine ]: never another user's memory.
-            connection.close()
-            return None, f"process {pid} of user {uid} holds it"
-        return connection, None
-
     def _give_up(self, why: str, reach_timeout: float) -> None:
         """Say that no owner of this user answers, and that this process loads a copy of its own."""
         log.warning(
             f"shared_arena: no process of this user answers on the address of the host copy {self.key!r} within"
             f" {reach_timeout:g} s ({why}); loading a copy of this process's own, shared with no one: host RAM"
             " must hold a second copy of the base."
-        )
-
-    def _receive(self, connection: socket.socket, deadline: float, timeout: float) -> tuple[dict[str, Any], int] | None:
-        """The owner's header and memfd, or ``None`` if the owner closed the connection without sending them."""
-        owner_pid, _ = peer(connection)
-        connection.settimeout(self._remaining(deadline, timeout, owner_pid))
-        try:
-            return receive(connection)
-        except TimeoutError:
-            raise self._timeout_error(timeout, owner_pid) from None
-
-    def _remaining(self, deadline: float, timeout: float, owner_pid: int | None) -> float:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise self._timeout_error(timeout, owner_pid)
-        return remaining
-
-    def _timeout_error(self, timeout: float, owner_pid: int | None) -> TimeoutError:
-        owner = f"its owner, process {owner_pid}," if owner_pid is not None else "no process"
-        return TimeoutError(
-            f"shared_arena: {owner} has not published the host copy {self.key!r} within {timeout:g} s."
-            " If the owner is still loading the base, wait longer (a larger `timeout`); if it is stuck, stop it"
-            " and run again: the first process to claim the key then loads it."
         )
 
 
@@ -396,12 +315,9 @@ def _alive(pid: int) -> bool:
 
 __all__ = [
     "REACH_TIMEOUT_S",
-    "SHARE_TIMEOUT_S",
     "ArenaClaim",
-    "attach_or_own",
     "claim",
     "owned_here",
-    "serve_or_release",
     "shmem_bytes",
     "socket_address",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_blockwise.residency import fd_socket, shared_arena
+from lightning_blockwise.residency import fd_socket, shared_arena, sharing
 from lightning_blockwise.residency.arena import MEMFD_NAME, HostArena
 from lightning_blockwise.residency.shared_arena import claim, shmem_bytes
 
@@ -396,7 +396,7 @@ def test_attach_or_own_falls_back_to_an_unshared_copy(monkeypatch: pytest.Monkey
     key = _key()
     monkeypatch.setattr(shared_arena, "REACH_TIMEOUT_S", 0.2)
     with _squat(shared_arena.socket_address(key), listening=False):
-        assert shared_arena.attach_or_own(key, pin=False) == (None, None)  # not shared: the caller checks RAM
+        assert sharing.attach_or_own(key, pin=False) == (None, None)  # not shared: the caller checks RAM
 
 
 def test_a_slow_owner_is_waited_for_past_the_bound() -> None:

@@ -1,0 +1,49 @@
+"""Whether a loader maps another process's host copy of the base or builds its own, and then serves it.
+
+The two calls a loader makes around building a host arena (``load_blockwise`` and the strategy's
+placement): :func:`attach_or_own` before, :func:`serve_or_release` after. The claim they use is in
+shared_arena.py (NOTE [ One host copy per machine ]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_blockwise.residency.arena import HostArena
+from lightning_blockwise.residency.shared_arena import ArenaClaim, claim, owned_here
+
+#: How long a process waits for another one to finish loading or packing the copy it shares (a 72B base
+#: loads in about 20 s from a warm page cache on the H100 machine; a cold disk takes minutes).
+SHARE_TIMEOUT_S = 3600.0
+
+
+def attach_or_own(key: str | None, pin: bool) -> tuple[ArenaClaim | None, HostArena | None]:
+    """The claim on ``key`` (``None``: not shared, or this process owns it already) and, for a peer, the owner's arena.
+
+    The owner (an arena of ``None``) builds its arena and ends with :func:`serve_or_release`. A process that
+    reaches no owner (:meth:`ArenaClaim.attach`) gets ``(None, None)``: it builds a copy of its own, whose host
+    RAM its caller checks as for any unshared load.
+    """
+    if key is None or owned_here(key):
+        return None, None
+    taken = claim(key)
+    if taken.owner:
+        return taken, None
+    attached = taken.attach(pin=pin, timeout=SHARE_TIMEOUT_S)  # None: the owner died first, this process owns
+    if attached is None:
+        return (taken, None) if taken.owner else (None, None)
+    return taken, attached[0]
+
+
+def serve_or_release(taken: ArenaClaim | None, arena: HostArena, meta: dict[str, Any]) -> ArenaClaim | None:
+    """Publish ``arena`` if this process owns the claim (returned: it serves while the copy lives), else release it."""
+    if taken is None:
+        return None
+    if taken.owner:
+        taken.publish(arena, meta)
+        return taken
+    taken.release()
+    return None
+
+
+__all__ = ["SHARE_TIMEOUT_S", "attach_or_own", "serve_or_release"]
