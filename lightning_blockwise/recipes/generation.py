@@ -3,7 +3,8 @@
 :func:`generate_replies` builds a :class:`~lightning_blockwise.recipes.finetune.CausalLMFineTune` (from an
 exported adapter, or a ``.ckpt`` of one) and runs a :class:`ChatSession` as the one step of
 ``Trainer.predict``, so that every forward pass of ``model.generate`` runs under the strategy's
-residency and precision, exactly as validation does (NOTE [ A session is one predict step ]).
+residency and precision, exactly as validation does (NOTE [ A session is one predict step ]). How tokens
+are chosen is in generation_options.py, the token ids around ``model.generate`` in prompt_tokens.py.
 
 Example::
 
@@ -14,32 +15,27 @@ Example::
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack
-from lightning_blockwise.recipes.chat import ChatFormat
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
+from lightning_blockwise.recipes.generation_options import DEFAULT_MAX_NEW_TOKENS, MAX_NEW_TOKENS_LIMIT, Sampling
+from lightning_blockwise.recipes.prompt_tokens import PromptFormat, eos_ids, left_padded, until_eos
 from lightning_blockwise.residency.streamer import StreamObserver
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy.step_timing import link_rate
 
-#: Tokens generated per prompt unless asked otherwise: a paragraph, about 3 minutes at 72B streamed on an H100.
-DEFAULT_MAX_NEW_TOKENS = 256
-#: The most tokens one reply may have (NOTE [ A generated token streams every block ] in callbacks/generation.py).
-MAX_NEW_TOKENS_LIMIT = 4096
 #: What an interactive session reads as "forget the conversation so far".
 RESET_COMMAND = "/reset"
 
@@ -58,87 +54,6 @@ RESET_COMMAND = "/reset"
 # The residency plan is the one for a training step of the strategy's `budget_tokens` (default 2048): a
 # generation step builds no graph, so the headroom that plan keeps for activations holds the KV cache
 # (`prompts x (prompt + max_new_tokens)` tokens' keys and values per layer) with room to spare.
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: greedy at ``temperature=0`` (the default), else sampled.
-
-    Attributes:
-        max_new_tokens: Tokens per reply at most, 1 to :data:`MAX_NEW_TOKENS_LIMIT`; a reply ends sooner at EOS.
-        temperature: ``0``: greedy (the most likely token, no randomness); above ``0``: sample from the
-            softmax of the logits divided by it.
-        top_p: Sample from the smallest set of tokens whose probabilities add up to ``top_p`` (``1``: all).
-        top_k: Sample from the ``top_k`` most likely tokens (``0``: all).
-        seed: Seeds torch's generators when the session starts: sampled replies are reproducible.
-
-    Raises:
-        ValueError: If a value is out of its range (the message names it and the range).
-    """
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise ValueError(
-                f"max_new_tokens={self.max_new_tokens} must be from 1 to {MAX_NEW_TOKENS_LIMIT}: each token streams"
-                " the whole streamed base once."
-            )
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or positive, e.g. 0.7.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be above 0 and at most 1 (1: no nucleus cut), e.g. 0.9.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be 0 (no cut) or positive, e.g. 50.")
-        if self.greedy and (self.top_p != 1 or self.top_k != 0):
-            raise ValueError(
-                f"top_p={self.top_p} and top_k={self.top_k} apply to sampling, but temperature=0 is greedy. Give a"
-                " temperature above 0 (e.g. 0.7) to sample."
-            )
-
-    @property
-    def greedy(self) -> bool:
-        """Whether tokens are chosen greedily (``temperature == 0``)."""
-        return self.temperature == 0
-
-    def generate_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``model.generate`` (no sampling knobs when greedy: it warns about them)."""
-        options: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "num_beams": 1, "do_sample": not self.greedy}
-        if not self.greedy:
-            options.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        return options
-
-
-class PromptFormat:
-    """Token ids of a conversation's next reply's prompt, rendered as training rendered its rows.
-
-    Args:
-        tokenizer: The checkpoint's tokenizer.
-        chat: The chat format training used (:func:`~lightning_blockwise.recipes.chat.chat_format`: the
-            tokenizer's template, else Alpaca); ``None``: the last user message as plain text, continued.
-        system: A system message put first, or ``None``.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: ChatFormat | None, system: str | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.chat = chat
-        self.system = system
-
-    def ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids of the reply to ``messages`` (user and assistant turns, the last a user's)."""
-        if self.chat is None:
-            return list(self.tokenizer(messages[-1]["content"])["input_ids"])
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        # The reply as an empty assistant turn: everything before its (trained) segment is the prompt, the
-        # generation header included, in the pieces training tokenized (NOTE [ Assistant masks from rendered
-        # prefixes ] in chat.py).
-        segments = self.chat.segments([*head, *messages, {"role": "assistant", "content": ""}])
-        text = "".join(segment.text for segment in segments[:-1])
-        return self.chat.leading_ids(self.tokenizer) + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclass(frozen=True)
@@ -341,34 +256,6 @@ def expected_speed(strategy: BlockwiseStrategy) -> str:
         f" about {streamed / rate:.2f} s per token, shared by the prompts of a batch. `--vram-budget` keeps more"
         " blocks resident."
     )
-
-
-def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids a reply stops at: the model's generation config's (a chat model's end of turn) and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
-def left_padded(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
-    """``input_ids`` and ``attention_mask`` of ``rows`` padded on the left: every row's next token is the last."""
-    length = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, length - len(row) :] = 1
-    return input_ids, attention_mask
-
-
-def until_eos(row: Tensor, eos: list[int]) -> tuple[Tensor, bool]:
-    """``row`` up to and including its first end-of-sequence id, and whether it had one."""
-    hits = torch.isin(row, torch.tensor(eos, dtype=row.dtype)).nonzero() if eos else torch.empty(0)
-    if len(hits) == 0:
-        return row, False
-    return row[: int(hits[0]) + 1], True
 
 
 def _uses_gpu(accelerator: str) -> bool:
