@@ -1,9 +1,9 @@
 """``lightning-blockwise plan``: a run's block bytes, host RAM and predicted VRAM, from a checkpoint's config alone.
 
 No weights are read: the sizes come from :mod:`lightning_blockwise.planning.sizing`, a card's
-recommendation from :mod:`lightning_blockwise.planning.recommend`. This module parses the arguments
-and computes the report; :mod:`lightning_blockwise.cli.plan_render` lays it out. The command is
-handled before LightningCLI parses (LightningCLI knows only the Trainer's subcommands), by
+recommendation from :mod:`lightning_blockwise.planning.recommend`. :mod:`lightning_blockwise.cli.plan_arguments`
+parses the arguments, this module computes the report, :mod:`lightning_blockwise.cli.plan_render` lays it out.
+The command is handled before LightningCLI parses (LightningCLI knows only the Trainer's subcommands), by
 :func:`~lightning_blockwise.cli.main`.
 
 Example::
@@ -16,31 +16,23 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from typing_extensions import override
 
+from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, plan_parser
 from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
 from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
-from lightning_blockwise.planning import parse_bytes
 from lightning_blockwise.planning.recommend import (
     CUDA_CONTEXT_RESERVE,
     RECOMMENDED_MLP_TILE_TOKENS,
-    check_card,
     recommend,
 )
 from lightning_blockwise.planning.sizing import model_sizes
-
-#: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
-PLAN_COMMAND = "plan"
-#: ``--offload-activations``: the strategy's ``offload_activations`` for each choice.
-_OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 
 
 def plan(args: list[str] | None = None) -> dict[str, Any]:
@@ -56,7 +48,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
         SystemExit: With a one-line message starting ``lightning-blockwise plan:`` for a bad argument (checked
             before the config is read), a checkpoint that does not exist, or a plan that cannot work.
     """
-    options = _plan_parser().parse_args(sys.argv[2:] if args is None else args)
+    options = plan_parser().parse_args(sys.argv[2:] if args is None else args)
     try:
         report = plan_report(
             _load_config(options.checkpoint),
@@ -69,7 +61,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             prefetch_depth=options.prefetch_depth,
             vram_budget=options.vram_budget,
             gpu_memory=options.gpu_memory,
-            offload_activations=_OFFLOAD_CHOICES[options.offload_activations],
+            offload_activations=OFFLOAD_CHOICES[options.offload_activations],
             loss_chunk_tokens=options.loss_chunk_tokens,
             mlp_tile_tokens=options.mlp_tile_tokens,
             quantize=not options.dense,
@@ -231,138 +223,7 @@ def _smaller_step_hint(loss_chunk_tokens: int | None, mlp_tile_tokens: int | Non
 
 
 def _option_name(offload_activations: bool | None) -> str:
-    return next(name for name, value in _OFFLOAD_CHOICES.items() if value is offload_activations)
-
-
-class _PlanParser(argparse.ArgumentParser):
-    """argparse, its errors on one line like the other errors of ``plan``."""
-
-    @override
-    def error(self, message: str) -> NoReturn:
-        raise SystemExit(f"{self.prog}: {message}")
-
-
-def _positive_int(text: str) -> int:
-    """An argparse ``type``: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one of at least 1.") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1.")
-    return value
-
-
-def _memory_size(text: str) -> int:
-    """An argparse ``type``: a positive memory size such as ``16GiB``, in bytes."""
-    try:
-        return parse_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _card_size(text: str) -> int:
-    """An argparse ``type``: a card's memory such as ``24GiB``, in bytes, larger than the CUDA context takes."""
-    size = _memory_size(text)
-    try:
-        check_card(size)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
-    return size
-
-
-def _plan_parser() -> argparse.ArgumentParser:
-    parser = _PlanParser(
-        prog=f"lightning-blockwise {PLAN_COMMAND}",
-        description="Predict a blockwise run's host RAM and training-step VRAM peak from a checkpoint's config"
-        " (no weights are read): the frozen base as bitsandbytes NF4 with double quantization (or dense with"
-        " --dense), fp32 LoRA adapters"
-        " with their gradients and AdamW state, under bf16 autocast. The peak is torch's max allocated memory; the"
-        " CUDA context and the caching allocator need more on the card.",
-    )
-    parser.add_argument("checkpoint", type=Path, help="A checkpoint directory, or the path of its config.json.")
-    parser.add_argument("--seq-len", type=_positive_int, default=2048, help="Tokens per sequence (default: 2048).")
-    parser.add_argument("--batch-size", type=_positive_int, default=1, help="Sequences per micro-batch (default: 1).")
-    # The spelling of `CausalLMFineTune(lora_r=...)` and the configs' `lora_r`; `--lora-rank`, the first spelling,
-    # stays an alias so existing commands keep working.
-    parser.add_argument(
-        "--lora-r",
-        "--lora-rank",
-        dest="lora_r",
-        type=_positive_int,
-        default=16,
-        help="LoRA rank r, the configs' lora_r (default: 16). --lora-rank is the same option.",
-    )
-    parser.add_argument(
-        "--targets",
-        nargs="+",
-        default=None,
-        help="Linears with adapters (default: every linear of the decoder layers).",
-    )
-    parser.add_argument("--dora", action="store_true", help="DoRA adapters (adds a magnitude vector per linear).")
-    parser.add_argument(
-        "--dense",
-        action="store_true",
-        help="A dense base: no tensor quantized, all in --dtype (load_blockwise(quantize=False), the module's"
-        " quantize: false; about 3.6x the host bytes of NF4). Default: NF4, tensors bitsandbytes does not quantize"
-        " (norms, fused MoE experts) in --dtype.",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float16", "float32"],
-        default=None,
-        help="Dtype of the unquantized tensors: norms, biases, LM head, every tensor with --dense (default: the"
-        " config's, else bfloat16).",
-    )
-    parser.add_argument("--block-size", type=_positive_int, default=1, help="Decoder layers per block (default: 1).")
-    parser.add_argument("--prefetch-depth", type=_positive_int, default=2, help="Blocks copied ahead (default: 2).")
-    parser.add_argument(
-        "--vram-budget", type=_memory_size, default=None, help="The strategy's vram_budget, e.g. 16GiB (default: none)."
-    )
-    parser.add_argument(
-        "--gpu-memory",
-        type=_card_size,
-        default=None,
-        help="A card's memory, e.g. 24GiB: recommend budget, block size, offload, loss and MLP tiling (default: none).",
-    )
-    parser.add_argument(
-        "--offload-activations",
-        choices=list(_OFFLOAD_CHOICES),
-        default="auto",
-        help="The strategy's offload_activations: layer inputs wait for the backward in pinned host memory. auto"
-        " turns it on when the step does not fit --vram-budget, else --gpu-memory, without it (default: auto).",
-    )
-    parser.add_argument(
-        "--loss-chunk-tokens",
-        type=_positive_int,
-        default=None,
-        help="Rows of logits the module's loss builds at a time (chunked_causal_lm_loss, a module's"
-        " loss_chunk_tokens; default: none, Hugging Face's loss, all rows at once).",
-    )
-    parser.add_argument(
-        "--mlp-tile-tokens",
-        type=_positive_int,
-        default=None,
-        help="Tokens per tile of the decoder layers' MLPs (tile_mlps, a module's mlp_tile_tokens; default: none,"
-        " each MLP on all tokens at once).",
-    )
-    parser.add_argument(
-        "--block-major",
-        type=_positive_int,
-        default=None,
-        metavar="G",
-        help="Plan for block_major_accumulation=True with accumulate_grad_batches=G: G micro-batches' layer inputs"
-        " are saved at once (default: off).",
-    )
-    parser.add_argument(
-        "--devices",
-        type=_positive_int,
-        default=1,
-        help="Data-parallel processes on this machine, one GPU each (default: 1). VRAM is per GPU; host RAM is the"
-        " machine's: one shared arena, each rank's offloaded layer inputs and embedding table.",
-    )
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
-    return parser
+    return next(name for name, value in OFFLOAD_CHOICES.items() if value is offload_activations)
 
 
 def _load_config(path: Path) -> Any:
@@ -374,3 +235,6 @@ def _load_config(path: Path) -> Any:
             f"lightning-blockwise plan: {path} does not exist. Give a local checkpoint directory or its config.json."
         )
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+__all__ = ["PLAN_COMMAND", "plan", "plan_report"]

@@ -1,7 +1,7 @@
 """``lightning-blockwise plan``'s output: the report's fields for ``--json``, and the tables printed without it.
 
-:mod:`~lightning_blockwise.cli.plan_command` parses the arguments and computes the numbers; this module only
-lays them out.
+:mod:`~lightning_blockwise.cli.plan_arguments` parses the arguments, :mod:`~lightning_blockwise.cli.plan_command`
+computes the numbers; this module only lays them out.
 """
 
 from __future__ import annotations
