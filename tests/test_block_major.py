@@ -35,7 +35,8 @@ from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.streamer import StreamObserver
-from lightning_blockwise.strategy.accumulation import BlockMajorSteps, _differs, refuse_unsupported
+from lightning_blockwise.strategy.accumulation import BlockMajorSteps, refuse_unsupported
+from lightning_blockwise.strategy.batch_comparison import batches_differ
 from tests.helpers.models import (
     CONFIGS,
     SEQ,
@@ -105,7 +106,7 @@ def test_block_major_equals_resident_and_copies_each_block_once_per_window(check
     assert plain_copies.copies >= 3.5 * window_copies.copies, (plain_copies.copies, window_copies.copies)
 
 
-def test_control_window_backward_in_another_order_differs(
+def test_control_window_backward_in_another_orderbatches_differ(
     checkpoint: Path, resident: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The comparison sees the order in which a window's micro-batches reach the adapters' gradients."""
@@ -473,12 +474,12 @@ def test_several_processes_refused() -> None:
 
 
 def test_batch_comparison_bit_for_bit_and_read_once_per_window() -> None:
-    """`_differs`: NaN equals NaN, a changed element or structure differs; device-side flags raise at the check."""
+    """`batches_differ`: NaN equals NaN, a changed element or structure differs; device flags raise at the check."""
     batch = {"ids": torch.tensor([1, 2]), "x": torch.tensor([float("nan"), 1.0]), "meta": [3, "a"]}
-    assert _differs(batch, {**batch, "x": batch["x"].clone()}) is False
-    assert _differs(batch, {**batch, "ids": torch.tensor([1, 3])}) is True
-    assert _differs(batch, {**batch, "meta": [3, "b"]}) is True
-    assert _differs(batch, {"ids": batch["ids"]}) is True
+    assert batches_differ(batch, {**batch, "x": batch["x"].clone()}) is False
+    assert batches_differ(batch, {**batch, "ids": torch.tensor([1, 3])}) is True
+    assert batches_differ(batch, {**batch, "meta": [3, "b"]}) is True
+    assert batches_differ(batch, {"ids": batch["ids"]}) is True
     steps = BlockMajorSteps(ACCUMULATE, num_layers=2, device=torch.device("cpu"))
     steps._unchecked = [(5, torch.tensor(False)), (6, torch.tensor(False))]
     steps.check_batches()  # control: nothing differed

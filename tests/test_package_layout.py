@@ -32,6 +32,7 @@ LAYERS: list[set[str]] = [
         "sizing",
         "strategy.checkpointing",
         "strategy.checkpoint_files",
+        "strategy.batch_comparison",
         "strategy.device_memory",
         "strategy.rank_watchdog",
         "strategy.streamed_stack",

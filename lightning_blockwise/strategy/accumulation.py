@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,7 +12,6 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_blockwise.architectures import DecoderStack
@@ -21,6 +19,7 @@ from lightning_blockwise.replay.block_major import Window
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.replay.window_refusals import WindowError
 from lightning_blockwise.replay.window_workers import Workers
+from lightning_blockwise.strategy.batch_comparison import batches_differ, clone_batch
 
 # NOTE [ A window's batches ]
 # A window's micro-batches must all be at hand when its first one is due (NOTE [ Block-major
@@ -189,7 +188,7 @@ class BlockMajorSteps:
             if count > 1:
                 rng = RngSnapshot.capture(self.device)
                 # Copies: a hook that works in place must not run twice on the tensors the loop gets.
-                ahead = [_read_like_the_loop(strategy, _clone(item[0])) for item in self._peek(trainer, count - 1)]
+                ahead = [_read_like_the_loop(strategy, clone_batch(item[0])) for item in self._peek(trainer, count - 1)]
                 drew_ahead = not rng.unchanged()
                 batches = [args[0], *ahead]
                 if len(batches) > 1:
@@ -203,7 +202,7 @@ class BlockMajorSteps:
             # No window covers this batch (a resume that starts inside one): the usual step, exact as well.
             see_batch(args[0])
             return run(*args)
-        differs = _differs(args[0], self._batches[position])
+        differs = batches_differ(args[0], self._batches[position])
         if differs is True:
             raise WindowError(_differs_message(ready - 1))
         if isinstance(differs, Tensor):
@@ -304,45 +303,6 @@ class BlockMajorSteps:
         return held + fetcher.iterator.peek(count - len(held))
 
 
-def _differs(a: Any, b: Any) -> bool | Tensor:
-    """Whether two batches differ, bit for bit (NaN equals NaN), through mappings, sequences and dataclasses.
-
-    A ``bool`` where the host can tell without waiting for the device; else a 0-dim bool tensor on the
-    batches' device, so that comparing GPU batches does not synchronize every micro-batch.
-    """
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
-            return True
-        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
-            return True
-        flag = (_bits(a) != _bits(b)).any()
-        return bool(flag) if flag.device.type == "cpu" else flag
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if a.keys() != b.keys():
-            return True
-        return _any([_differs(a[key], b[key]) for key in a])
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return True
-        return _any([_differs(x, y) for x, y in zip(a, b, strict=True)])
-    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and not isinstance(a, type):
-        if type(a) is not type(b):
-            return True
-        return _any([_differs(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)])
-    try:
-        return not bool(a == b)
-    except Exception:  # an object without a usable `==` is compared by identity
-        return a is not b
-
-
-def _any(parts: list[bool | Tensor]) -> bool | Tensor:
-    """True if a part is; else the device-side parts combined (False if there are none)."""
-    if any(part is True for part in parts):
-        return True
-    flags = [part for part in parts if isinstance(part, Tensor)]
-    return torch.stack(flags).any() if flags else False
-
-
 def _differs_message(index: int) -> str:
     return (
         f"BlockwiseStrategy(block_major_accumulation=True): batch {index} of this epoch differs from the one read ahead"
@@ -351,18 +311,6 @@ def _differs_message(index: int) -> str:
         " `on_train_batch_start` hook that changes the batch. Make it deterministic and leave the batch unchanged,"
         " or set `block_major_accumulation=False`."
     )
-
-
-def _bits(tensor: Tensor) -> Tensor:
-    """The tensor's bytes, to compare floating point values bit for bit."""
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    return tensor.contiguous().view(torch.uint8)
-
-
-def _clone(batch: Any) -> Any:
-    """``batch`` with every tensor copied (mappings, sequences and dataclasses rebuilt)."""
-    return apply_to_collection(batch, Tensor, lambda t: t.clone())
 
 
 __all__ = [
