@@ -7,28 +7,22 @@ Example::
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_blockwise.architectures import find_decoder_stack
-from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
-from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
+from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
-from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
@@ -166,57 +160,18 @@ class CausalLMFineTune(pl.LightningModule):
         hp = self.hparams
         if hp.adapter_path is not None:
             # Before the base loads (minutes at 72B), not after.
-            _check_adapter_dir(hp.adapter_path)
+            check_adapter_dir(hp.adapter_path)
         strategy = self.trainer.strategy if self._trainer is not None else None
-        device = strategy.root_device if strategy is not None else torch.device("cpu")
-        dtype = getattr(torch, hp.compute_dtype)
-        blockwise = isinstance(strategy, BlockwiseStrategy)
-        if hp.loader == "blockwise" and not blockwise:
-            raise MisconfigurationException(
-                "CausalLMFineTune(loader='blockwise') packs the decoder layers into host memory, which only"
-                " `BlockwiseStrategy` trains from. Use `strategy: blockwise`, or `loader: auto`."
-            )
-        if hp.random_init:
-            config = AutoConfig.from_pretrained(hp.checkpoint, local_files_only=True)
-            base = (
-                random_nf4_model(config, device, compute_dtype=dtype) if hp.quantize else _random_dense(config, dtype)
-            )
-        elif blockwise and hp.loader != "standard":
-            assert isinstance(strategy, BlockwiseStrategy)
-            base = load_blockwise(
-                hp.checkpoint,
-                compute_dtype=dtype,
-                device=device,
-                block_size=strategy.block_size,
-                quantize=hp.quantize,
-            )
-        else:
-            base = AutoModelForCausalLM.from_pretrained(
-                hp.checkpoint,
-                quantization_config=nf4_config(dtype) if hp.quantize else None,
-                device_map={"": device},
-                dtype=dtype,
-                local_files_only=True,
-            )
-        if hp.adapter_path is not None:
-            # The adapter's own config decides its shape; trainable, so that `fit` continues it.
-            self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True, local_files_only=True)
-        else:
-            lora = LoraConfig(
-                r=hp.lora_r,
-                lora_alpha=hp.lora_alpha,
-                lora_dropout=hp.lora_dropout,
-                target_modules=_decoder_linears(base, hp.target_modules),
-                use_dora=hp.use_dora,
-                task_type="CAUSAL_LM",
-            )
-            self.model = get_peft_model(base, lora)
+        base = load_base(hp.checkpoint, hp.loader, hp.compute_dtype, hp.quantize, hp.random_init, strategy)
+        self.model = add_adapters(
+            base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora
+        )
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
         # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in
-        # compat_bitsandbytes.py).
+        # compat/bitsandbytes/cpu_kernel.py).
         self.model.train()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -321,25 +276,6 @@ class CausalLMFineTune(pl.LightningModule):
         return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
 
 
-def _random_dense(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-init dense model of ``config`` in ``dtype``, built on the CPU with the model's own init.
-
-    On the CPU, not the device: a dense base is 2 bytes per parameter (64 GB at 32B), which the
-    blockwise strategy keeps in host memory anyway and would only have to copy back.
-    """
-    with torch.device("cpu"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).train()
-
-
-def _check_adapter_dir(path: str) -> None:
-    """Refuse an ``adapter_path`` that is not a PEFT adapter directory, saying what it should hold."""
-    if not (Path(path) / "adapter_config.json").is_file():
-        raise MisconfigurationException(
-            f"CausalLMFineTune(adapter_path={path!r}) holds no adapter_config.json. Give a PEFT adapter directory,"
-            " e.g. a run's `<log_dir>/adapter` or `lightning-blockwise export RUN.ckpt BASE OUT`'s OUT."
-        )
-
-
 def _check_count(name: str, value: int | None, example: str) -> None:
     """Refuse a long-context option that is neither ``None`` nor an integer of at least 1."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -348,22 +284,6 @@ def _check_count(name: str, value: int | None, example: str) -> None:
         f"CausalLMFineTune({name}={value!r}) must be an integer of at least 1 (e.g. {example}), or None to"
         " leave it off."
     )
-
-
-def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:
-    """A PEFT ``target_modules`` pattern for the linears named ``names`` (default: all) inside the decoder layers.
-
-    PEFT's ``"all-linear"`` would also put adapters on a multimodal model's vision tower, whose
-    ``q_proj`` and friends share the decoder's names; anchoring the pattern at the decoder's
-    ``layers`` keeps the adapters where ``lightning-blockwise plan`` counts them.
-    """
-    layers = find_decoder_stack(model, allow_unvalidated=True).layers
-    prefix = next(name for name, module in model.named_modules() if module is layers)
-    leaves = names or sorted(
-        {name.rsplit(".", 1)[-1] for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)}
-    )
-    # PEFT matches a string with `re.fullmatch` against each module's qualified name.
-    return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, leaves))})"
 
 
 __all__ = ["CausalLMFineTune"]

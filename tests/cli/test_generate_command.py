@@ -123,8 +123,8 @@ def test_bad_arguments_are_refused_in_one_line_before_the_model_loads(
     given = ["--adapter", str(chat_model["adapter"])] if "--adapter" not in args and "--ckpt" not in args else []
     base = [] if "--ckpt" in args else [str(chat_model["base"])]
     with (
-        mock.patch("lightning_blockwise.recipes.finetune.load_blockwise") as loaded,
-        mock.patch("lightning_blockwise.recipes.finetune.AutoModelForCausalLM.from_pretrained") as resident,
+        mock.patch("lightning_blockwise.recipes.finetune_model.load_blockwise") as loaded,
+        mock.patch("lightning_blockwise.recipes.finetune_model.AutoModelForCausalLM.from_pretrained") as resident,
         pytest.raises(SystemExit) as exit_info,
     ):
         generate_command([*base, *given, "--prompt", "hi", "--device", "cpu", *args])

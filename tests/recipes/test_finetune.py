@@ -149,7 +149,7 @@ def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str
     """Under the blockwise strategy the base comes from `load_blockwise` in the strategy's block size: no repack."""
     strategy = BlockwiseStrategy(block_size=2)
     module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
-    with mock.patch("lightning_blockwise.recipes.finetune.load_blockwise", wraps=load_blockwise) as loaded:
+    with mock.patch("lightning_blockwise.recipes.finetune_model.load_blockwise", wraps=load_blockwise) as loaded:
         _fit_finetune(module, strategy, tmp_path)
     assert loaded.call_count == 1 and loaded.call_args.kwargs["block_size"] == 2
     base = module.model.get_base_model()
@@ -159,7 +159,7 @@ def test_blockwise_loads_straight_into_the_strategys_arena(checkpoints: dict[str
 
 def test_loader_choices(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     standard = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", loader="standard")
-    with mock.patch("lightning_blockwise.recipes.finetune.load_blockwise") as loaded:
+    with mock.patch("lightning_blockwise.recipes.finetune_model.load_blockwise") as loaded:
         _fit_finetune(standard, "blockwise", tmp_path / "standard")
     assert loaded.call_count == 0
     blockwise_only = CausalLMFineTune(str(checkpoints["llama"]), compute_dtype="float32", loader="blockwise")
@@ -283,7 +283,7 @@ def test_dense_base_trains_blockwise_equal_to_resident(checkpoints: dict[str, Pa
     Control: the NF4 base of the same checkpoint gives other losses, so the comparison can see the base.
     """
     strategy = BlockwiseStrategy(block_size=2)
-    with mock.patch("lightning_blockwise.recipes.finetune.load_blockwise", wraps=load_blockwise) as loaded:
+    with mock.patch("lightning_blockwise.recipes.finetune_model.load_blockwise", wraps=load_blockwise) as loaded:
         blockwise = _long_context_run(checkpoints["llama"], strategy, tmp_path / "b", quantize=False)
     assert loaded.call_args.kwargs["quantize"] is False
     base = strategy.lightning_module.model.get_base_model()
@@ -402,7 +402,7 @@ def test_an_adapter_path_without_an_adapter_is_refused_before_the_base_loads(
 ) -> None:
     module = CausalLMFineTune(str(checkpoints["llama"]), compute_dtype="float32", adapter_path=str(tmp_path))
     with (
-        mock.patch("lightning_blockwise.recipes.finetune.AutoModelForCausalLM.from_pretrained") as loaded,
+        mock.patch("lightning_blockwise.recipes.finetune_model.AutoModelForCausalLM.from_pretrained") as loaded,
         pytest.raises(MisconfigurationException, match=r"holds no adapter_config\.json\. Give a PEFT"),
     ):
         module.configure_model()

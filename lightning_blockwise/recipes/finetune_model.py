@@ -1,0 +1,119 @@
+"""The fine-tuning recipe's model: its frozen base, loaded (or built) for the strategy, and its adapters.
+
+What :meth:`~lightning_blockwise.recipes.finetune.CausalLMFineTune.configure_model` builds.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.compat.bitsandbytes import nf4_config
+from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.recipes.random_init import random_nf4_model
+from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
+
+
+def load_base(
+    checkpoint: str, loader: str, compute_dtype: str, quantize: bool, random_init: bool, strategy: Strategy | None
+) -> torch.nn.Module:
+    """The frozen base of ``checkpoint``: random (``random_init``), packed for ``BlockwiseStrategy``, or standard.
+
+    Args are ``CausalLMFineTune``'s; ``strategy`` is the Trainer's (``None``: no Trainer, the CPU).
+
+    Raises:
+        MisconfigurationException: If ``loader="blockwise"`` is asked for under another strategy.
+    """
+    device = strategy.root_device if strategy is not None else torch.device("cpu")
+    dtype = getattr(torch, compute_dtype)
+    blockwise = isinstance(strategy, BlockwiseStrategy)
+    if loader == "blockwise" and not blockwise:
+        raise MisconfigurationException(
+            "CausalLMFineTune(loader='blockwise') packs the decoder layers into host memory, which only"
+            " `BlockwiseStrategy` trains from. Use `strategy: blockwise`, or `loader: auto`."
+        )
+    if random_init:
+        config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+        return random_nf4_model(config, device, compute_dtype=dtype) if quantize else _random_dense(config, dtype)
+    if blockwise and loader != "standard":
+        assert isinstance(strategy, BlockwiseStrategy)
+        return load_blockwise(
+            checkpoint, compute_dtype=dtype, device=device, block_size=strategy.block_size, quantize=quantize
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        quantization_config=nf4_config(dtype) if quantize else None,
+        device_map={"": device},
+        dtype=dtype,
+        local_files_only=True,
+    )
+
+
+def add_adapters(
+    base: torch.nn.Module,
+    adapter_path: str | None,
+    lora_r: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    target_modules: list[str] | None,
+    use_dora: bool,
+) -> PeftModel:
+    """``base`` with the adapters of ``adapter_path`` (trainable), else new LoRA (or DoRA) adapters on its decoder."""
+    if adapter_path is not None:
+        # The adapter's own config decides its shape; trainable, so that `fit` continues it.
+        return PeftModel.from_pretrained(base, adapter_path, is_trainable=True, local_files_only=True)
+    lora = LoraConfig(
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=_decoder_linears(base, target_modules),
+        use_dora=use_dora,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(base, lora)
+
+
+def _random_dense(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-init dense model of ``config`` in ``dtype``, built on the CPU with the model's own init.
+
+    On the CPU, not the device: a dense base is 2 bytes per parameter (64 GB at 32B), which the
+    blockwise strategy keeps in host memory anyway and would only have to copy back.
+    """
+    with torch.device("cpu"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+
+
+def check_adapter_dir(path: str) -> None:
+    """Refuse an ``adapter_path`` that is not a PEFT adapter directory, saying what it should hold."""
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise MisconfigurationException(
+            f"CausalLMFineTune(adapter_path={path!r}) holds no adapter_config.json. Give a PEFT adapter directory,"
+            " e.g. a run's `<log_dir>/adapter` or `lightning-blockwise export RUN.ckpt BASE OUT`'s OUT."
+        )
+
+
+def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:
+    """A PEFT ``target_modules`` pattern for the linears named ``names`` (default: all) inside the decoder layers.
+
+    PEFT's ``"all-linear"`` would also put adapters on a multimodal model's vision tower, whose
+    ``q_proj`` and friends share the decoder's names; anchoring the pattern at the decoder's
+    ``layers`` keeps the adapters where ``lightning-blockwise plan`` counts them.
+    """
+    layers = find_decoder_stack(model, allow_unvalidated=True).layers
+    prefix = next(name for name, module in model.named_modules() if module is layers)
+    leaves = names or sorted(
+        {name.rsplit(".", 1)[-1] for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)}
+    )
+    # PEFT matches a string with `re.fullmatch` against each module's qualified name.
+    return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, leaves))})"
+
+
+__all__ = ["add_adapters", "check_adapter_dir", "load_base"]
