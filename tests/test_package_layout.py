@@ -37,6 +37,7 @@ LAYERS: list[set[str]] = [
         "strategy.rank_watchdog",
         "strategy.streamed_stack",
         "strategy.step_budget",
+        "strategy.step_tokens",
     },
     # What the strategy delegates to: its step plan over the run and the step it times, its checkpoints, where
     # the module goes, DDP, block-major windows, and what callbacks ask it.

@@ -12,7 +12,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, batch_tokens, declared_tokens
+from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
+from lightning_blockwise.strategy.step_tokens import batch_tokens, declared_tokens
 from tests.helpers.models import SEQ, CausalLMModule, build_model, fit, padded_batches
 
 TOKENS = 256

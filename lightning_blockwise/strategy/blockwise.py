@@ -37,8 +37,9 @@ from lightning_blockwise.strategy.module_placement import ModulePlacement, share
 from lightning_blockwise.strategy.options import budget_bytes, check_options, refuse_compiled, refuse_cpu_eval_mode_4bit
 from lightning_blockwise.strategy.queries import BlockwiseQueries
 from lightning_blockwise.strategy.resumable import ResumableStrategy
-from lightning_blockwise.strategy.step_budget import DEFAULT_TOKENS, StepBudget, declared_tokens
+from lightning_blockwise.strategy.step_budget import StepBudget
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
+from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, declared_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 

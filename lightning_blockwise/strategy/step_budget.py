@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
@@ -18,13 +18,11 @@ from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
 # than a batch holds can overflow the card. The first plan is made for a declared maximum
 # (the strategy's ``budget_tokens``, else the data module's ``max_length`` x ``batch_size``,
-# else ``DEFAULT_TOKENS``); before a training step whose batch holds more tokens than the
+# else ``DEFAULT_TOKENS`` in step_tokens.py); before a training step whose batch holds more tokens than the
 # plan, the strategy plans again for that batch (fewer resident blocks, the layer inputs
 # offloaded) or stops with a clear error, before the step allocates anything. Plans only
 # grow: a shorter batch keeps the plan made for the longest one so far.
 
-#: Tokens per micro-batch planned for when neither the strategy nor the data module says.
-DEFAULT_TOKENS = 2048
 #: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``: the
 #: CUDA context and kernels, which ``max_memory_allocated`` does not count (the cuBLAS workspaces it
 #: does count are in the plan's fixed bytes: ``blas_workspace_bytes``).
@@ -255,37 +253,6 @@ def device_limit(device: torch.device) -> int | None:
     return int(torch.cuda.get_per_process_memory_fraction(device) * total) - _CONTEXT_RESERVE
 
 
-def declared_tokens(datamodule: Any) -> int | None:
-    """``max_length`` x ``batch_size`` of a data module that declares both (attributes or hparams), else ``None``."""
-    if datamodule is None:
-        return None
-    hparams = getattr(datamodule, "hparams", {}) or {}
-    values = []
-    for name in ("max_length", "batch_size"):
-        value = getattr(datamodule, name, None)
-        value = hparams.get(name) if value is None and isinstance(hparams, Mapping) else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return None
-        values.append(value)
-    return values[0] * values[1]
-
-
-def batch_tokens(batch: Any) -> int | None:
-    """Tokens in a micro-batch: its ``input_ids`` (a mapping), else its first integer tensor; ``None`` if none."""
-    if isinstance(batch, Mapping):
-        ids = batch.get("input_ids")
-        if isinstance(ids, Tensor):
-            return ids.numel()
-        batch = list(batch.values())
-    if isinstance(batch, Tensor):
-        return batch.numel() if not batch.is_floating_point() else None
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            if isinstance(item, Tensor) and not item.is_floating_point() and item.dim() >= 1:
-                return item.numel()
-    return None
-
-
 def _has_dropout(module: nn.Module) -> bool:
     """Whether any dropout with ``p > 0`` is in ``module`` (PEFT's adapter dropout is an ``nn.Dropout``)."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
@@ -322,11 +289,8 @@ def reference_headroom(device: torch.device, budget: int | None, predicted_peak:
 
 
 __all__ = [
-    "DEFAULT_TOKENS",
     "StepBudget",
     "StepPlan",
-    "batch_tokens",
-    "declared_tokens",
     "device_bytes",
     "device_limit",
 ]

@@ -8,7 +8,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, batch_tokens
+from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
+from lightning_blockwise.strategy.step_tokens import batch_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 

@@ -1,0 +1,48 @@
+"""How many tokens a micro-batch holds: declared ahead by the data module, or counted in a batch.
+
+What the step budget plans for (NOTE [ A budget that sees the batches ] in step_budget.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+#: Tokens per micro-batch planned for when neither the strategy nor the data module says.
+DEFAULT_TOKENS = 2048
+
+
+def declared_tokens(datamodule: Any) -> int | None:
+    """``max_length`` x ``batch_size`` of a data module that declares both (attributes or hparams), else ``None``."""
+    if datamodule is None:
+        return None
+    hparams = getattr(datamodule, "hparams", {}) or {}
+    values = []
+    for name in ("max_length", "batch_size"):
+        value = getattr(datamodule, name, None)
+        value = hparams.get(name) if value is None and isinstance(hparams, Mapping) else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None
+        values.append(value)
+    return values[0] * values[1]
+
+
+def batch_tokens(batch: Any) -> int | None:
+    """Tokens in a micro-batch: its ``input_ids`` (a mapping), else its first integer tensor; ``None`` if none."""
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+        if isinstance(ids, Tensor):
+            return ids.numel()
+        batch = list(batch.values())
+    if isinstance(batch, Tensor):
+        return batch.numel() if not batch.is_floating_point() else None
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            if isinstance(item, Tensor) and not item.is_floating_point() and item.dim() >= 1:
+                return item.numel()
+    return None
+
+
+__all__ = ["DEFAULT_TOKENS", "batch_tokens", "declared_tokens"]
