@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_blockwise.strategy import checkpoint_files
+from lightning_blockwise.compat.processes import host_name
 from lightning_blockwise.strategy.checkpoint_files import remove_stale_temporaries, save_unbuffered
 
 # A writer killed halfway through its temporary file, as SIGKILL or the OOM killer would.
@@ -57,7 +57,7 @@ def test_only_dead_writers_of_this_host_are_cleaned(tmp_path: Path) -> None:
     """A live writer's file, another host's, and files named otherwise are left alone."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    host = checkpoint_files._host()
+    host = host_name()
     names = {
         "dead": f".a.ckpt.{host}-{dead_pid}.abc_123.tmp",
         "live": f".a.ckpt.{host}-{os.getpid()}.abc_123.tmp",

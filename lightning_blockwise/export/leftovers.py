@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import tempfile
 from pathlib import Path
+
+from lightning_blockwise.compat.processes import host_name, process_exists, writer_tag
 
 # NOTE [ Cleaning what is ours ]
 # A SIGKILL runs no ``finally``: the staging directory of an export (NOTE [ Atomic adapter export ] in
@@ -36,7 +37,7 @@ def scratch_directory(parent: str | Path, name: str, suffix: str) -> Path:
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(parent, name, suffix)
-    return Path(tempfile.mkdtemp(prefix=f"{name}.{_host()}-{os.getpid()}.", suffix=suffix, dir=parent))
+    return Path(tempfile.mkdtemp(prefix=f"{name}.{writer_tag()}.", suffix=suffix, dir=parent))
 
 
 def clean_leftovers(parent: str | Path, name: str, suffix: str) -> list[Path]:
@@ -54,7 +55,7 @@ def clean_leftovers(parent: str | Path, name: str, suffix: str) -> list[Path]:
         return removed  # nothing there yet, or not ours to read
     for entry in entries:
         match = pattern.fullmatch(entry.name)
-        if match is None or match["host"] != _host() or _running(int(match["pid"])):
+        if match is None or match["host"] != host_name() or process_exists(int(match["pid"])):
             continue
         try:
             info = entry.lstat()
@@ -65,21 +66,6 @@ def clean_leftovers(parent: str | Path, name: str, suffix: str) -> list[Path]:
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def _host() -> str:
-    # A dot would end the name's `<host>` field early; a slash cannot be in a file name.
-    return socket.gethostname().replace(".", "_").replace("/", "_") or "localhost"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: running
-    return True
 
 
 __all__ = ["clean_leftovers", "scratch_directory"]

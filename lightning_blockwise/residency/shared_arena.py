@@ -29,6 +29,7 @@ import weakref
 from types import TracebackType
 from typing import Any
 
+from lightning_blockwise.compat.processes import process_exists
 from lightning_blockwise.residency.arena import HostArena, meminfo_bytes
 from lightning_blockwise.residency.fd_socket import encode, listen, serve, socket_address
 from lightning_blockwise.residency.owner_connection import NO_ANSWER, connect_to_owner, receive_from_owner
@@ -185,7 +186,7 @@ class ArenaClaim:
 
     def peers(self) -> list[int]:
         """The pids of the processes this owner served that still run (they may map its arena)."""
-        return [pid for pid in dict.fromkeys(self._served) if _alive(pid)]
+        return [pid for pid in dict.fromkeys(self._served) if process_exists(pid)]
 
     def attach(
         self, pin: bool, timeout: float, reach_timeout: float | None = None
@@ -300,17 +301,6 @@ class ArenaClaim:
             f" {reach_timeout:g} s ({why}); loading a copy of this process's own, shared with no one: host RAM"
             " must hold a second copy of the base."
         )
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts: it may not have dropped its mappings yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = [

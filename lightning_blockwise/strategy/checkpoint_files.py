@@ -9,7 +9,6 @@ import errno
 import os
 import re
 import shutil
-import socket
 import tempfile
 import zipfile
 from collections.abc import Mapping
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_blockwise.compat.processes import host_name, process_exists, writer_tag
 
 
 def check_checkpoint_file(path: str | Path | None) -> None:
@@ -76,7 +77,7 @@ def save_unbuffered(checkpoint: Mapping[str, Any], path: Path) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp", dir=path.parent)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     try:
         torch.save(checkpoint, temporary)
@@ -104,10 +105,10 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     See NOTE [ Temporary checkpoint files ].
     """
     removed = []
-    host = _host()
+    host = host_name()
     for entry in directory.glob(".*.tmp"):
         match = _TEMPORARY.match(entry.name)
-        if match is None or match["host"] != host or _alive(int(match["pid"])):
+        if match is None or match["host"] != host or process_exists(int(match["pid"])):
             continue
         try:
             entry.unlink()
@@ -115,25 +116,6 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
             continue
         removed.append(entry)
     return removed
-
-
-def _host() -> str:
-    # Dots and dashes would blur the name's fields.
-    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
-
-
-def _writer_tag() -> str:
-    return f"{_host()}-{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _write_error(path: Path, error: BaseException) -> OSError:

@@ -9,9 +9,10 @@ import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed
+
+from lightning_blockwise.compat.processes import process_running
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +48,6 @@ class Peer:
     pid: int
 
 
-def _alive(pid: int) -> bool:
-    """Whether the process ``pid`` runs (a zombie, killed but not reaped by its parent, does not)."""
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        # The state is the field after the command name, which is in parentheses and may hold spaces.
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return True  # unreadable: assume alive rather than end a healthy run
-
-
 class RankWatchdog:
     """Watches the other ranks on this host and ends this process when one dies (NOTE [ A dead rank ends the run ]).
 
@@ -92,7 +81,7 @@ class RankWatchdog:
     def _watch(self) -> None:
         while not self._stop.wait(self.interval):
             for peer in self.peers:
-                if not _alive(peer.pid) and not self._finished(peer) and not self._stop.is_set():
+                if not process_running(peer.pid) and not self._finished(peer) and not self._stop.is_set():
                     self._end(peer)
 
     def _finished(self, peer: Peer) -> bool:

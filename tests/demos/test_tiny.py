@@ -24,9 +24,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.callbacks.progress_bar import EpochProgressBar, planned_epochs
 from lightning_blockwise.cli import build_cli
+from lightning_blockwise.compat.processes import host_name
 from lightning_blockwise.demos.progressions import DemoDataModule
 from lightning_blockwise.demos.tiny import DemoCausalLM, build_base_model
-from lightning_blockwise.export import leftovers
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,7 +213,7 @@ def test_a_killed_demos_temporary_model_is_cleaned_at_the_next_start() -> None:
     """NOTE [ Cleaning what is ours ]: a dead process's temporary checkpoint goes; a running one's stays (control)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = leftovers._host()
+    host = host_name()
     stale = Path(tempfile.gettempdir()) / f"lightning-blockwise-demo.{host}-{dead.pid}.test00.model"
     live = Path(tempfile.mkdtemp(prefix=f"lightning-blockwise-demo.{host}-{os.getpid()}.", suffix=".model"))
     stale.mkdir()

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from lightning_blockwise.export import leftovers
+from lightning_blockwise.compat.processes import host_name
 from lightning_blockwise.export.adapter import check_export_target, export_adapter, previous_export
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from tests.helpers.models import build_model, trainer
@@ -100,7 +100,7 @@ def test_a_killed_exports_staging_is_cleaned_at_the_next_start(tmp_path: Path) -
     """NOTE [ Cleaning what is ours ]: a dead process's staging goes; a running one's stays (control)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = leftovers._host()
+    host = host_name()
     stale = tmp_path / f".adapter.{host}-{dead.pid}.abc123.partial"
     retired = tmp_path / f".adapter.{host}-{dead.pid}.def456.old"
     live = tmp_path / f".adapter.{host}-{os.getpid()}.ghi789.partial"
