@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import PeftModel
 from torch import Tensor
 
+from lightning_blockwise.adapters.dora_norm import factor_dora_norms
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
@@ -51,6 +52,10 @@ class CausalLMFineTune(pl.LightningModule):
         lora_dropout: Dropout on the adapters' input.
         use_dora: DoRA instead of LoRA (its magnitude vectors are adapters too; blockwise DoRA passes the same
             parity tests as LoRA).
+        dora_norm: How DoRA's row norm ``||W + s B A||`` is computed: ``"dense"``: PEFT's, which forms the
+            ``d_out x d_in`` product ``B A``; ``"factored"``: from the factors, never the dense product
+            (:func:`~lightning_blockwise.adapters.dora_norm.factor_dora_norms`; high ranks). It changes the rounding,
+            so it applies under every strategy (NOTE [ Factored DoRA norm ] in adapters/dora_norm.py).
         compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``), and the
             dtype of a dense base.
         quantize: Load the base as NF4 (default). ``False``: a dense base in ``compute_dtype`` (about 3.6x the
@@ -112,6 +117,7 @@ class CausalLMFineTune(pl.LightningModule):
         lora_alpha: int = 32,
         lora_dropout: float = 0.05,
         use_dora: bool = False,
+        dora_norm: str = "dense",
         compute_dtype: str = "bfloat16",
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
@@ -136,6 +142,8 @@ class CausalLMFineTune(pl.LightningModule):
             raise MisconfigurationException(
                 f"CausalLMFineTune(optimizer={optimizer!r}): choose one of {', '.join(map(repr, OPTIMIZERS))}."
             )
+        if dora_norm not in ("dense", "factored"):
+            raise MisconfigurationException(f"CausalLMFineTune(dora_norm={dora_norm!r}): choose 'dense' or 'factored'.")
         _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
         _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
         self.save_hyperparameters()
@@ -166,6 +174,8 @@ class CausalLMFineTune(pl.LightningModule):
         self.model = add_adapters(
             base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora
         )
+        if hp.dora_norm == "factored":
+            factor_dora_norms(self.model)
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)

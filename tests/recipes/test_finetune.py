@@ -18,11 +18,13 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import PeftModel
+from peft.tuners.lora.dora import DoraLinearLayer
 from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.adapters.dora_norm import FactoredDoraNorm
 from lightning_blockwise.cli import build_cli, main
 from lightning_blockwise.export.adapter import export_adapter
 from lightning_blockwise.loading.load import load_blockwise
@@ -175,6 +177,24 @@ def test_dora_trains_under_blockwise(checkpoints: dict[str, Path], tmp_path: Pat
     _fit_finetune(module, "blockwise", tmp_path)
     magnitudes = {n: p for n, p in module.named_parameters() if "lora_magnitude_vector" in n}
     assert magnitudes and all(p.requires_grad for p in magnitudes.values())
+
+
+def test_dora_norm_factored_is_applied_and_other_values_are_refused(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(MisconfigurationException, match=r"^CausalLMFineTune\(dora_norm='fast'\): choose 'dense' or"):
+        CausalLMFineTune("/no/such/checkpoint", use_dora=True, dora_norm="fast")
+    module = CausalLMFineTune(
+        str(checkpoints["llama"]), lora_r=4, use_dora=True, dora_norm="factored", compute_dtype="float32"
+    )
+    _fit_finetune(module, "blockwise", tmp_path)
+    dora = [m for m in module.modules() if type(m) is DoraLinearLayer]
+    assert dora and all(isinstance(vars(m).get("forward"), FactoredDoraNorm) for m in dora)
+    assert all(m.forward.base_sq is not None for m in dora)
+    # Control arm: the default keeps PEFT's dense norm.
+    dense = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, use_dora=True, compute_dtype="float32")
+    _fit_finetune(dense, "blockwise", tmp_path / "dense")
+    assert not any("forward" in vars(m) for m in dense.modules() if type(m) is DoraLinearLayer)
 
 
 def test_random_init_from_a_config_only(tmp_path: Path) -> None:
