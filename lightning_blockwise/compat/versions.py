@@ -35,8 +35,9 @@ class Dependency:
             version = Version(self.installed)
         except InvalidVersion:
             return False
-        # Pre-releases of a tested minor (a container's `2.12.0a0+git...` torch) count as that minor.
-        return Requirement(f"{self.name}{self.tested}").specifier.contains(version, prereleases=True)
+        # A pre-release or a local build of a tested release (a container's `2.11.0a0+git...` torch, `+cpu`) counts
+        # as that release: it is checked by its base version.
+        return Requirement(f"{self.name}{self.tested}").specifier.contains(Version(version.base_version))
 
 
 def dependencies(requirements: list[str] | None = None) -> list[Dependency]:

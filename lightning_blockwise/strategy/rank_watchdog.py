@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two checks of the peers.
 INTERVAL = 1.0
-#: Seconds the store's host waits at the end for the other ranks to say they are done.
-DONE_TIMEOUT = 60.0
+#: Seconds the store's host waits at the end for the other ranks to say they are done, without a group timeout.
+DONE_TIMEOUT = 1800.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,8 @@ class RankWatchdog:
             return False
 
     def _end(self, peer: Peer) -> None:
+        if self._stop.is_set():
+            return  # this rank ended its run while the check ran: nothing waits on the peer any more
         waited = f"the process group's timeout ({self.timeout})" if self.timeout else "the process group's timeout"
         message = (
             f"BlockwiseStrategy: rank {peer.rank} (process {peer.pid} on {peer.host}) died during training, so rank"
@@ -106,21 +108,32 @@ class RankWatchdog:
     def finish(self, succeeded: bool) -> None:
         """Stop watching; after a normal end, tell the peers (and, on the store's host, wait until they have too).
 
+        A rank other than 0 stops its own watching before it says `done`: once rank 0 has read every `done` it may
+        exit, and a rank still watching then would take the store's host for dead. Rank 0 keeps watching while it
+        waits, so a peer that dies instead of finishing still ends it; a live peer is waited for as long as the
+        process group would wait in a collective.
+
         Args:
             succeeded: The run ended normally. After an error nothing is said, so the peers, blocked in a collective
                 this rank will never join, take its exit for a death and end too.
         """
+        if self.rank != 0:
+            self._stop_watching()
         if succeeded:
             try:
                 self._store.set(self._done_key(self.rank), "1")
                 if self.rank == 0:
                     # Rank 0 holds the store: keep it up until every rank has read what it needs from it.
                     others = [self._done_key(rank) for rank in range(1, self.world_size)]
-                    self._store.wait(others, timedelta(seconds=DONE_TIMEOUT))
+                    self._store.wait(others, self.timeout or timedelta(seconds=DONE_TIMEOUT))
             except Exception as error:  # a peer that died at the very end: the run's work is done anyway
                 log.warning(f"BlockwiseStrategy: the ranks' end of run was not confirmed: {error}")
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.interval * 5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval * 5)
 
 
 __all__ = ["RankWatchdog"]

@@ -37,6 +37,10 @@ def test_a_local_build_tag_and_a_prerelease_of_a_tested_minor_count_as_tested(mo
     assert versions.untested(["torch>=2.11,<2.14"]) == []
     _fake_installed(monkeypatch, torch="2.12.0a0+git1234")
     assert versions.untested(["torch>=2.11,<2.14"]) == []
+    _fake_installed(monkeypatch, torch="2.11.0a0+git1234")  # a pre-release of the floor itself
+    assert versions.untested(["torch>=2.11,<2.14"]) == []
+    _fake_installed(monkeypatch, torch="2.14.0a0+git1234")  # of the first untested release: not tested
+    assert [d.name for d in versions.untested(["torch>=2.11,<2.14"])] == ["torch"]
     _fake_installed(monkeypatch, torch="2.10.0+cu126")
     assert [d.name for d in versions.untested(["torch>=2.11,<2.14"])] == ["torch"]
 
