@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 # sums. So it is the module's choice, made once for every strategy: a module that uses it
 # trains with it under ``strategy="auto"`` as under ``"blockwise"``, and the exactness
 # contract (blockwise == resident, bit for bit) holds for that module. The measured
-# deviation from Hugging Face's loss is in the README ("Long context").
+# deviation from Hugging Face's loss is in docs/long-context.md.
 
 #: Label of a position that is not learned (Hugging Face's and torch's ``ignore_index``).
 IGNORE_INDEX = -100
