@@ -393,3 +393,32 @@ def test_resuming_a_checkpoint_of_another_strategy_warns(tmp_path: Path, recwarn
     recwarn.clear()
     _short_run(BlockwiseStrategy(), tmp_path / "again", 2, ckpt_path=tmp_path / "blockwise" / "step=1.ckpt")
     assert not [w for w in recwarn if "not written by BlockwiseStrategy" in str(w.message)]
+
+
+def test_lightnings_default_checkpoint_saves_and_resumes_an_nf4_run_exactly(
+    bases: dict[str, Path], tmp_path: Path
+) -> None:
+    """An NF4 module and the `Trainer`'s own `ModelCheckpoint`: saved at the first epoch's end, resumed into the
+    second, every loss, grad, weight and AdamW state equals the uninterrupted run's (the first thing a user does).
+
+    Control: the second epoch started afresh differs. (This replaces the timed-plan version of the test, removed with
+    `timed_plan`.)
+    """
+
+    def run(root: Path, epochs: int, ckpt_path: Path | None = None) -> RunResult:
+        module = _module(bases["a"])
+        pl.seed_everything(0, verbose=False)
+        fitted = trainer(
+            BlockwiseStrategy(), max_steps=-1, max_epochs=epochs, enable_checkpointing=True, default_root_dir=root
+        )
+        fitted.fit(module, loader(padded_batches(8)), ckpt_path=ckpt_path)
+        return collect(module, trainer_optimizer(module))
+
+    whole = run(tmp_path / "whole", 2)
+    run(tmp_path / "first", 1)
+    (saved,) = (tmp_path / "first").rglob("*.ckpt")
+    resumed = run(tmp_path / "second", 2, ckpt_path=saved)
+    tail = RunResult(whole.losses[-8:], whole.grads[-4:], whole.weights, whole.optimizer)
+    assert len(resumed.losses) == 8
+    assert_equal_runs(tail, resumed)
+    assert runs_differ(tail, run(tmp_path / "afresh", 1))
