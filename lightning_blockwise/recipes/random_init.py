@@ -7,7 +7,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_blockwise.compat.bitsandbytes import nf4_linear
+from lightning_blockwise.loading.random_base import random_linear, random_parameter
 
 
 def random_nf4_model(
@@ -39,21 +39,14 @@ def random_nf4_model(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
     head = model.get_output_embeddings()
+    # NOTE [ Random draw order ] in loading/random_base.py: `random_blockwise` builds these bytes layer by layer.
     for name, linear in list(model.named_modules()):
-        if not isinstance(linear, nn.Linear) or linear is head:
-            continue
-        weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=compute_dtype) * std
-        quantized = nf4_linear(linear, weight, compute_dtype)
-        if linear.bias is not None:
-            quantized.bias = nn.Parameter(torch.zeros_like(weight[:, 0]), requires_grad=False)
-        model.set_submodule(name, quantized)
-        del weight
+        if isinstance(linear, nn.Linear) and linear is not head:
+            model.set_submodule(name, random_linear(linear, device, compute_dtype, std))
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
-                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
-                fresh.fill_(1.0) if param.dim() == 1 else fresh.normal_(0, std)
-                setattr(module, name, nn.Parameter(fresh, requires_grad=False))
+                setattr(module, name, random_parameter(param, device, std))
         for name, buffer in list(module.named_buffers(recurse=False)):
             module.register_buffer(name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set)
     if getattr(model.config, "tie_word_embeddings", False) or getattr(
