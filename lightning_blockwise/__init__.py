@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError, SampleGenerations
 from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.loading.random_base import random_blockwise
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
 BlockwiseStrategy.register_strategies(StrategyRegistry)
@@ -23,4 +24,5 @@ __all__ = [
     "SampleGenerations",
     "__version__",
     "load_blockwise",
+    "random_blockwise",
 ]

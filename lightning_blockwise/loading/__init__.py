@@ -1,5 +1,6 @@
-"""Loading a checkpoint block by block straight into the host arena (``load_blockwise``)."""
+"""A base straight into the host arena: a checkpoint loaded (``load_blockwise``) or random (``random_blockwise``)."""
 
 from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.loading.random_base import random_blockwise
 
-__all__ = ["load_blockwise"]
+__all__ = ["load_blockwise", "random_blockwise"]

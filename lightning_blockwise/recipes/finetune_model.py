@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
+from lightning_blockwise.loading.random_base import random_blockwise
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
@@ -26,6 +27,10 @@ def load_base(
     checkpoint: str, loader: str, compute_dtype: str, quantize: bool, random_init: bool, strategy: Strategy | None
 ) -> torch.nn.Module:
     """The frozen base of ``checkpoint``: random (``random_init``), packed for ``BlockwiseStrategy``, or standard.
+
+    A random base for ``BlockwiseStrategy`` (unless ``loader="standard"``) is built by ``random_blockwise``, one
+    layer at a time into the host arena, seeded with ``torch.initial_seed()`` (``seed_everything``'s seed); other
+    strategies get ``random_nf4_model`` on their device (or a dense model on the CPU).
 
     Args are ``CausalLMFineTune``'s; ``strategy`` is the Trainer's (``None``: no Trainer, the CPU).
 
@@ -42,6 +47,18 @@ def load_base(
         )
     if random_init:
         config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+        if blockwise and loader != "standard":
+            assert isinstance(strategy, BlockwiseStrategy)
+            # Layer by layer into the host arena, never the whole model on the device; seeded by `seed_everything`
+            # (its seed, so that the ranks of a machine build, and share, one copy).
+            return random_blockwise(
+                config,
+                seed=torch.initial_seed(),
+                compute_dtype=dtype,
+                device=device,
+                block_size=strategy.block_size,
+                quantize=quantize,
+            )
         return random_nf4_model(config, device, compute_dtype=dtype) if quantize else _random_dense(config, dtype)
     if blockwise and loader != "standard":
         assert isinstance(strategy, BlockwiseStrategy)
