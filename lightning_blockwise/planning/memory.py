@@ -52,6 +52,8 @@ class StepShape:
         num_layers: Decoder layers.
         activation_bytes: Bytes per activation element (2 under bf16 autocast).
         offload_inputs: Layer inputs wait for the backward in host memory (not on the device).
+        offloaded_layers: With ``offload_inputs``, how many layers' inputs (the first ones) go to host memory, the
+            rest staying on the device (NOTE [ Split layer inputs ] in residency/activations.py); ``None``: all.
         loss_chunk_tokens: Rows of logits the module's loss builds at a time
             (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
             as Hugging Face's loss does.
@@ -74,6 +76,7 @@ class StepShape:
     mlp_tile_tokens: int | None = None
     adapter_dropout: bool = True
     window: int = 1
+    offloaded_layers: int | None = None
 
     @classmethod
     def for_config(
@@ -87,6 +90,7 @@ class StepShape:
         mlp_tile_tokens: int | None = None,
         adapter_dropout: bool = True,
         window: int = 1,
+        offloaded_layers: int | None = None,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -100,6 +104,7 @@ class StepShape:
             mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
             adapter_dropout: The adapters apply dropout to their inputs.
             window: Micro-batches whose layer inputs are saved at once (block-major accumulation).
+            offloaded_layers: With ``offload_inputs``, the layers whose inputs go to host memory (``None``: all).
         """
         config = getattr(config, "text_config", None) or config
         return cls(
@@ -114,6 +119,7 @@ class StepShape:
             mlp_tile_tokens=mlp_tile_tokens,
             adapter_dropout=adapter_dropout,
             window=window,
+            offloaded_layers=offloaded_layers,
         )
 
     def activation_peak(self) -> int:
@@ -126,7 +132,8 @@ class StepShape:
         and one layer's recompute graph with the dequantized weight of its largest projection
         (while a layer's backward runs).
         """
-        saved_inputs = min(self.num_layers, _INPUTS_IN_FLIGHT) if self.offload_inputs else self.num_layers
+        host = self.host_inputs()
+        saved_inputs = self.num_layers - host + min(host, _INPUTS_IN_FLIGHT)
         saved_inputs *= self.input_bytes() * self.window
         rows = self.tokens if self.loss_chunk_tokens is None else min(self.tokens, self.loss_chunk_tokens)
         logits = int(rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY)
@@ -160,9 +167,15 @@ class StepShape:
         """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""
         return self.tokens * self.hidden_size * self.activation_bytes
 
+    def host_inputs(self) -> int:
+        """Layers whose inputs wait for the backward in host memory."""
+        if not self.offload_inputs:
+            return 0
+        return self.num_layers if self.offloaded_layers is None else min(self.offloaded_layers, self.num_layers)
+
     def offloaded_host_bytes(self) -> int:
-        """Host bytes the saved layer inputs take with offload on (every layer's input at once), else 0."""
-        return self.num_layers * self.input_bytes() if self.offload_inputs else 0
+        """Host bytes the saved layer inputs take with offload on (every offloaded layer's input at once), else 0."""
+        return self.host_inputs() * self.input_bytes()
 
     def layer_graph(self) -> int:
         """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).

@@ -75,6 +75,8 @@ class StepBudget:
         adapter_dropout: The adapters apply dropout (a kept graph holds their dropped-out inputs).
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with block-major
             accumulation, else 1; over 1, nothing is kept or offloaded (NOTE [ Block-major accumulation ]).
+        offloaded_layers: With offload on, the layers (the first ones) whose inputs go to host memory; ``None``: all
+            (NOTE [ Split layer inputs ] in residency/activations.py).
     """
 
     config: Any
@@ -93,6 +95,7 @@ class StepBudget:
     keep_activations: bool = False
     adapter_dropout: bool = True
     window: int = 1
+    offloaded_layers: int | None = None
 
     @classmethod
     def for_module(
@@ -108,6 +111,7 @@ class StepBudget:
         keep_activations: bool = False,
         window: int = 1,
         ranks: int = 1,
+        offloaded_layers: int | None = None,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -128,6 +132,7 @@ class StepBudget:
             window: Micro-batches of a block-major window (1: none).
             ranks: Data-parallel processes of the run: with several, DDP's gradient buckets (a flat copy of the
                 trainable gradients on each rank's device, `ModelSizes.per_rank` in planning) count as fixed bytes.
+            offloaded_layers: With offload on, the layers whose inputs go to host memory (``None``: all).
         """
         head = model.get_output_embeddings()
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -149,6 +154,7 @@ class StepBudget:
             keep_activations=keep_activations,
             adapter_dropout=_has_dropout(module),
             window=window,
+            offloaded_layers=offloaded_layers,
         )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
@@ -163,6 +169,7 @@ class StepBudget:
             mlp_tile_tokens=self.mlp_tile_tokens,
             adapter_dropout=self.adapter_dropout,
             window=self.window,
+            offloaded_layers=self.offloaded_layers,
         )
 
     def plan(self, tokens: int) -> StepPlan:
