@@ -21,7 +21,7 @@ ROOT = PACKAGE.parent
 LAYERS: list[set[str]] = [
     {"compat"},
     {"architectures"},
-    {"longcontext", "adapters"},
+    {"longcontext", "adapters", "kernels"},
     {"planning"},
     {"residency"},
     {"replay"},
