@@ -137,7 +137,7 @@ def build_base(config: transformers.PretrainedConfig, base: str, device: torch.d
             " base built layer by layer into the host arena, not in this tree yet. A base that fits under the cap"
             " can be built on the device instead: --base device."
         ) from error
-    return random_blockwise(config, seed=0, device=device if device.type == "cuda" else None, progress=False)
+    return random_blockwise(config, seed=0, device=device, share=False, progress=False)
 
 
 @contextmanager
