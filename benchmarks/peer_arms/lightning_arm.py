@@ -1,0 +1,236 @@
+"""This package's arms (``ours``, ``resident``) and transformers + PEFT (``peft``): one arm, its points, one process.
+
+The model is built once (random-init NF4 of a Qwen2.5 shape, LoRA r=16 on the seven projections, as
+benchmarks/step_benchmark.py builds it) and trained through ``Trainer.fit`` at each point, shortest first::
+
+    python -m benchmarks.peer_arms.lightning_arm --arm ours+liger --shape 7b --points random:4096x1 rows:4096x2 \
+        --out rows.jsonl [--cap-gib 22] [--steps N] [--budget-for random:4096x1=7540000000]
+
+``ours`` is ``BlockwiseStrategy`` with its defaults (plus the arm's options); ``resident`` is ``strategy="auto"``
+without checkpointing (the compute floor); ``peft`` is ``strategy="auto"`` with Hugging Face's gradient
+checkpointing (non-reentrant), as a transformers + PEFT QLoRA user runs it. Every arm takes the chunked loss
+unless it says ``hfloss``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.utils.data import DataLoader
+
+from benchmarks.peer_arms import measure
+from benchmarks.peer_arms.spec import TILE_TOKENS, UNSLOTH_BUDGET, Arm, Point, parse_arm, parse_point
+from benchmarks.step_benchmark import SHAPES, TARGETS
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
+from lightning_blockwise.longcontext.tiling import tile_mlps
+from lightning_blockwise.recipes.random_init import random_nf4_model
+
+#: A shape for CPU tests only (not in step_benchmark.SHAPES): two Qwen2 layers, a vocabulary above the byte
+#: tokenizer's 259 ids so the shipped rows fit it.
+TINY = lambda: transformers.Qwen2Config(  # noqa: E731
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=8192,
+)  # fmt: skip
+#: The shipped instruction data (packed into rows for the ``rows:`` points).
+DATA = Path(__file__).resolve().parents[2] / "data" / "instructions.jsonl"
+
+
+class PeerModule(pl.LightningModule):
+    """Trains ``model`` with the chunked loss (``chunk`` rows of logits at a time) or, ``chunk=None``, HF's."""
+
+    def __init__(self, model: nn.Module, chunk: int | None) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self.chunk is None:
+            return self.model(**batch).loss
+        return chunked_causal_lm_loss(self.model, chunk_tokens=self.chunk, **batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-5)
+
+
+class Timer(pl.Callback):
+    """Each step's wall time after ``warmup`` steps (synchronized on a GPU), the peaks reset after the warm-up."""
+
+    def __init__(self, warmup: int, device: torch.device) -> None:
+        self.warmup, self.device = warmup, device
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx == self.warmup:
+            measure.reset_peaks(self.device)
+        self._start = _now(self.device)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        end = _now(self.device)
+        if args[-1] >= self.warmup:
+            self.times.append(end - self._start)
+        self.losses.append(float(outputs["loss"]))
+
+
+def _now(device: torch.device) -> float:
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+    """The arm's model, once per process, and the settings it was built with."""
+    torch.manual_seed(0)
+    config = TINY() if shape == "tiny" else SHAPES[shape]()
+    model = get_peft_model(random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    settings: dict[str, Any] = {"lora": "r16 alpha32 dropout0 q,k,v,o,gate,up,down", "base": "random-init NF4"}
+    if "liger" in arm.options:
+        try:
+            from lightning_blockwise.kernels import use_liger_kernels  # type: ignore[attr-defined]
+        except ImportError as error:
+            raise RuntimeError(
+                f"arm {arm.name}: lightning_blockwise.kernels.use_liger_kernels is not importable here ({error})"
+            ) from error
+        use_liger_kernels(model)
+        settings["liger"] = "use_liger_kernels(model): its defaults (RMSNorm, RoPE, SwiGLU)"
+    settings["kernels"] = "liger" if "liger" in arm.options else "transformers (sdpa attention)"
+    tile = arm.options.get("tiled")
+    if tile is not None:
+        settings["tiled_mlp_tokens"] = TILE_TOKENS if tile is True else int(tile)
+        tile_mlps(model, settings["tiled_mlp_tokens"])
+    if arm.system == "peft":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    settings["checkpointing"] = {
+        "ours": "blockwise replay (BlockwiseStrategy)",
+        "resident": "none",
+        "peft": "HF gradient checkpointing, use_reentrant=False",
+    }[arm.system]
+    settings["loss"] = arm.loss
+    return model, settings
+
+
+def batches(point: Point, count: int, vocab: int) -> list[dict[str, Any]]:
+    """``count`` batches of ``point``: random ids (labels = ids), or the shipped data packed into rows, cycled."""
+    if point.data == "random":
+        gen = torch.Generator().manual_seed(point.tokens)
+        ids = torch.randint(0, vocab, (count, point.batch, point.tokens), generator=gen)
+        return [{"input_ids": row, "labels": row} for row in ids]
+    from lightning_blockwise.recipes.data import InstructionDataModule
+
+    data = InstructionDataModule(str(DATA), max_length=point.tokens, batch_size=point.batch, val_fraction=0,
+                                 packing=True)  # fmt: skip
+    data.setup("fit")
+    if data.vocab_size > vocab:
+        raise ValueError(f"the byte tokenizer's {data.vocab_size} ids do not fit the model's vocabulary of {vocab}.")
+    return list(itertools.islice(itertools.cycle(data.train_dataloader()), count))
+
+
+def strategy_for(arm: Arm, point: Point, budgets: dict[str, str]) -> tuple[Any, dict[str, Any]]:
+    """The arm's strategy at ``point`` and the options it was given (the budget resolved for --equal-memory)."""
+    if arm.system != "ours":
+        return "auto", {"strategy": "auto"}
+    options: dict[str, Any] = {}
+    if "offload" in arm.options:
+        options["offload_activations"] = True
+    budget = arm.budget
+    if budget == UNSLOTH_BUDGET:
+        budget = budgets[point.key]  # the driver gives one for every point it runs this arm at
+    if budget is not None:
+        options["vram_budget"] = int(budget) if budget.isdigit() else budget
+    return BlockwiseStrategy(**options), {"strategy": "blockwise", "strategy_options": options}
+
+
+def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace, device: torch.device) -> dict:
+    """Time ``arm`` at ``point``: the row's measured fields (an OOM is a result, not a crash)."""
+    steps, warmup = point.steps(args.steps)
+    strategy, options = strategy_for(arm, point, args.budgets)
+    chunk = None if arm.loss == "hf" else int(arm.loss.split(":")[1])
+    data = batches(point, steps + warmup, model.config.vocab_size)
+    timer = Timer(warmup, device)
+    trainer = pl.Trainer(
+        accelerator=device.type if device.type == "cpu" else "gpu", devices=1, strategy=strategy,
+        precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+    )  # fmt: skip
+    model.to(device)  # a blockwise run leaves the base in host memory
+    measure.reset_peaks(device)
+    row: dict[str, Any] = {"steps": steps, "warmup": warmup, "strategy": options}
+    try:
+        trainer.fit(PeerModule(model, chunk), DataLoader(data, batch_size=None))
+        row["status"] = "ok"
+    except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
+        row.update(measure.failure(error), steps_done=len(timer.losses))
+    step_tokens = sum(int(b["input_ids"].numel()) for b in data) / len(data)
+    row["step_tokens_mean"] = step_tokens
+    if row["status"] == "ok":
+        row.update(measure.timing(timer.times, step_tokens), loss_first=timer.losses[0], loss_last=timer.losses[-1])
+    row.update(measure.peaks(device))
+    plan = getattr(strategy, "step_plan", None)
+    if plan is not None:
+        row.update(predicted_peak_gb=plan.residency.predicted_peak / measure.GB, offload=plan.offload,
+                   resident_blocks=len(plan.residency.resident))  # fmt: skip
+    del trainer, data
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arm", type=parse_arm, required=True)
+    parser.add_argument("--shape", choices=[*sorted(SHAPES), "tiny"], required=True)
+    parser.add_argument("--points", nargs="+", type=parse_point, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="append one JSON line per point here")
+    parser.add_argument("--cap-gib", type=float, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps at every point (default: by length)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--budget-for", nargs="*", default=[], help="POINT=BYTES: budget=unsloth's budget per point")
+    args = parser.parse_args(argv)
+    if args.arm.system == "unsloth":
+        parser.error("--arm unsloth runs in benchmarks.peer_arms.unsloth_arm, not here.")
+    args.budgets = dict(item.split("=", 1) for item in args.budget_for)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    head = {"system": {"peft": "transformers+peft"}.get(args.arm.system, "lightning-blockwise"),
+            "arm": args.arm.name, "shape": args.shape}  # fmt: skip
+    head["settings"] = measure.cap_allocator(device, args.cap_gib)
+    head.update(device=measure.device_name(device), versions=measure.versions())
+    points = sorted(args.points)
+    try:
+        model, settings = build(args.arm, args.shape, device)
+    except Exception as error:  # each point says why it has no measurement (an OOM while building is one)
+        for p in points:
+            measure.emit({**head, **_where(p), **measure.failure(error), "phase": "build"}, args.out)
+        return
+    head["settings"].update(settings, precision="bf16-mixed", optimizer="AdamW lr 1e-5", loop="Trainer.fit")
+    short_oom: str | None = None
+    for p in points:
+        if short_oom is not None:
+            measure.emit({**head, **_where(p), "status": "skipped", "error": f"{short_oom} ran out of memory"},
+                         args.out)  # fmt: skip
+            continue
+        row = run_point(model, args.arm, p, args, device)
+        measure.emit({**head, **_where(p), **row}, args.out)
+        if row["status"] == "oom":
+            short_oom = p.key
+
+
+def _where(p: Point) -> dict[str, Any]:
+    return {"point": p.key, "data": p.data, "tokens": p.tokens, "batch": p.batch, "step_tokens": p.step_tokens}
+
+
+if __name__ == "__main__":
+    main()
