@@ -61,6 +61,11 @@ SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
     ),
+    # Mistral-Large-2 (123B): its NF4 base is ~68 GB; build it with `random_blockwise` (host arena), not on a GPU.
+    "123b": lambda: transformers.MistralConfig(
+        vocab_size=32768, hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    ),
 }  # fmt: skip
 #: Arms run by default; `blockwise:B:D[:BUDGET]` is BlockwiseStrategy(block_size=B, prefetch_depth=D,
 #: vram_budget=BUDGET), e.g. `blockwise:1:2:6GB`.
