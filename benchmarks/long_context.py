@@ -16,10 +16,13 @@ allocated and reserved GB over the measured steps, host-to-device and device-to-
 
     python -m benchmarks.long_context grid --points 7b:16384 --arms blockwise blockwise+offload+chunked
     python -m benchmarks.long_context card --path /tmp/ckpt-72b --seq 32768 --cap-gib 22
+    python -m benchmarks.long_context card --random-init 123b --seq 8192 --cap-gib 22
 
 `--vram-budget` gives the blockwise arms a budget (the allocator's cap during their run).
 `card` caps the caching allocator from the process start (`set_per_process_memory_fraction`),
-loads the checkpoint with `load_blockwise` and trains with `--arm` (default: every long-context option on).
+loads the checkpoint with `load_blockwise` (or, with `--random-init SHAPE`, builds a random base of that shape
+with `random_blockwise`, printing the build's seconds, host GB pinned and device peak first) and trains with
+`--arm` (default: every long-context option on).
 """
 
 from __future__ import annotations
@@ -193,17 +196,28 @@ def grid(args: argparse.Namespace) -> None:
 
 def card(args: argparse.Namespace) -> None:
     from lightning_blockwise.loading.load import load_blockwise
+    from lightning_blockwise.loading.random_base import random_blockwise
+    from lightning_blockwise.residency.placement import host_copy_of
 
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     cap = args.cap_gib * 2**30
     torch.cuda.set_per_process_memory_fraction(cap / total, device)  # before anything is allocated
     start = time.perf_counter()
-    model = load_blockwise(args.path, compute_dtype=torch.bfloat16, progress=False)
-    load_s = time.perf_counter() - start
+    if args.random_init is None:
+        model = load_blockwise(args.path, compute_dtype=torch.bfloat16, progress=False)
+        built = {"load_s": time.perf_counter() - start}
+    else:
+        # Layer by layer into the host arena under the cap: the whole base never is on the card.
+        model = random_blockwise(SHAPES[args.random_init](), seed=0, compute_dtype=torch.bfloat16, progress=False)
+        copy = host_copy_of(model)
+        built = {"shape": args.random_init, "build_s": time.perf_counter() - start}
+        built |= {"build_pinned_gb": copy.arena.nbytes / 1e9 if copy.arena.pinned else 0.0}
+        built |= {"build_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        print(json.dumps(built), flush=True)  # before training, which may not fit
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
     row = run_arm(model, args.arm, args.seq, args.steps, args.warmup, model.config.vocab_size, False)
-    _emit({"card_gib": args.cap_gib, "seq": args.seq, "load_s": load_s, "cap_gb": cap / 1e9, **row}, args.out)
+    _emit({"card_gib": args.cap_gib, "seq": args.seq, **built, "cap_gb": cap / 1e9, **row}, args.out)
 
 
 def _random_model(config: Any, device: torch.device) -> nn.Module:
@@ -229,7 +243,13 @@ def main() -> None:
     g.add_argument("--deterministic", action="store_true")
     g.add_argument("--vram-budget", default=None, help="the blockwise arms' vram_budget, e.g. 8.5GiB")
     c = commands.add_parser("card")
-    c.add_argument("--path", required=True)
+    base = c.add_mutually_exclusive_group(required=True)
+    base.add_argument("--path", help="a checkpoint directory, loaded with load_blockwise")
+    base.add_argument(
+        "--random-init",
+        choices=sorted(SHAPES),
+        help="instead of --path: a random base of this shape (random_blockwise)",
+    )
     c.add_argument("--seq", type=int, default=32768)
     c.add_argument("--cap-gib", type=float, default=22.0)
     c.add_argument("--arm", default="blockwise+offload+chunked+tiled")
