@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from lightning_blockwise.strategy.device_memory import (
+    CARD_MARGIN,
+    CARD_MARGIN_PERCENT,
     apply_cap,
     blas_workspace_bytes,
+    card_budget,
     check_cap,
     expandable_segments_choice,
 )
@@ -146,3 +149,59 @@ def test_blas_workspaces_follow_the_users_config(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
     assert blas_workspace_bytes(torch.device("cuda", 0)) == 2 * workspace
     assert blas_workspace_bytes(torch.device("cpu")) == 0
+
+
+def _card_state(monkeypatch: pytest.MonkeyPatch, free: int, reserved: int, fraction: float = 1.0) -> None:
+    _FakeCuda(fraction).install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, CARD))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+
+
+def test_the_cards_budget_is_what_the_process_may_use_less_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ The card as the default budget ]: free plus what this process's allocator holds already.
+    _card_state(monkeypatch, free=70 * 2**30, reserved=6 * 2**30)
+    card = card_budget(DEVICE)
+    usable = 76 * 2**30
+    assert card.usable == usable
+    assert card.margin == usable * CARD_MARGIN_PERCENT // 100 > CARD_MARGIN
+    assert card.budget == usable - card.margin
+    assert "the card's budget" in card.why and "`vram_budget` overrides" in card.why
+
+
+def test_the_cards_budget_respects_a_cap_another_job_and_what_the_process_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A per-process cap already set binds before the free memory does.
+    _card_state(monkeypatch, free=70 * 2**30, reserved=2**30, fraction=0.25)
+    capped = card_budget(DEVICE)
+    assert capped.usable == CARD // 4
+    assert capped.budget == CARD // 4 - CARD_MARGIN  # a 20 GiB limit keeps the 1 GiB floor
+    assert "per-process cap" in capped.why
+    # Another job on the card: only the free memory counts, and what this process holds outside the module too.
+    _card_state(monkeypatch, free=10 * 2**30, reserved=2 * 2**30)
+    shared = card_budget(DEVICE, held_outside=3 * 2**30)
+    assert shared.budget == 12 * 2**30 - 3 * 2**30 - CARD_MARGIN
+    assert "outside the module" in shared.why
+    # Control: the same state with nothing held outside gives more.
+    assert card_budget(DEVICE).budget == shared.budget + 3 * 2**30
+
+
+def test_no_cards_budget_where_expandable_segments_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    _card_state(monkeypatch, free=70 * 2**30, reserved=0)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    card = card_budget(DEVICE)
+    assert card.budget is None
+    assert "every block streams" in card.why and "vram_budget" in card.why
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert card_budget(DEVICE).budget is not None  # control
+
+
+def test_card_is_the_strategys_default_and_none_streams_every_block() -> None:
+    from lightning_blockwise import BlockwiseStrategy
+
+    default = BlockwiseStrategy()
+    assert default.card_budget and default.vram_budget is None  # decided at setup, on the device
+    streamed = BlockwiseStrategy(vram_budget=None)
+    assert not streamed.card_budget and streamed.vram_budget is None
+    set_budget = BlockwiseStrategy(vram_budget="16GiB")
+    assert not set_budget.card_budget and set_budget.vram_budget == 16 * 2**30

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.compat.versions import warn_if_untested
 from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.planning.units import format_gib
 from lightning_blockwise.residency import placement
 from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.residency.streamer import StreamObserver
@@ -32,12 +33,18 @@ from lightning_blockwise.strategy.accumulation import (
 )
 from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.strategy.checkpointing import FrozenBase
-from lightning_blockwise.strategy.device_memory import check_cap
+from lightning_blockwise.strategy.device_memory import card_budget, check_cap
 from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
-from lightning_blockwise.strategy.options import budget_bytes, check_options, refuse_compiled, refuse_cpu_eval_mode_4bit
+from lightning_blockwise.strategy.options import (
+    CARD,
+    budget_bytes,
+    check_options,
+    refuse_compiled,
+    refuse_cpu_eval_mode_4bit,
+)
 from lightning_blockwise.strategy.queries import BlockwiseQueries
 from lightning_blockwise.strategy.resumable import ResumableStrategy
-from lightning_blockwise.strategy.step_budget import StepBudget
+from lightning_blockwise.strategy.step_budget import StepBudget, device_bytes
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, declared_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
@@ -54,7 +61,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
 
     What a user sets, and why (the Trainer sets the rest: accelerator, devices, processes):
 
-    - ``vram_budget``: how much of the card the run may take; blocks that fit stay on it (faster steps).
+    - ``vram_budget``: how much of the card the run may take (default: the card); blocks that fit stay on it.
     - ``block_size``: layers per copy; larger blocks make fewer, larger copies.
     - ``prefetch_depth``: blocks on their way ahead of the one in use, so copies hide behind compute.
     - ``budget_tokens``: the micro-batch to plan for at setup where the data module does not declare it.
@@ -68,11 +75,16 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
     Args:
         block_size: Decoder layers per block.
         prefetch_depth: Blocks fetched ahead of the one in use when weights stream.
-        vram_budget: Cap on the device memory the run takes, in bytes or as a string like ``"16GiB"``: on CUDA the
-            caching allocator's per-process cap for the run, with expandable segments on (NOTE [ A budget is a cap
-            on the card ] in planning/memory.py). Blocks that fit under it with the step's predicted peak and 10%
-            headroom stay on the device for the whole run (less traffic, faster steps); without it every block streams.
-            On the CPU it has no effect (the base is in host memory already); setup warns.
+        vram_budget: The device memory the run may take. ``"card"`` (default): what this process may use of the
+            card at setup (free memory under any per-process cap, less a margin; NOTE [ The card as the default
+            budget ] in device_memory.py), so a model whose blocks and activations fit trains as resident training
+            does and the rest streams. Bytes or a string like ``"16GiB"``: a cap on the device memory the run takes,
+            on CUDA the caching allocator's per-process cap for the run, with expandable segments on (NOTE [ A budget
+            is a cap on the card ] in planning/memory.py), for a card shared with other jobs. Blocks that fit under
+            the budget with the step's predicted peak and 10% headroom stay on the device for the whole run (less
+            traffic, faster steps). ``None``: no budget, every block streams and every layer is recomputed (the
+            least device memory). On the CPU a set budget has no effect (the base is in host memory already);
+            setup warns.
         budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default: the data
             module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either way a longer batch is
             planned for before its step runs (NOTE [ A budget that sees the batches ] in step_budget.py).
@@ -127,7 +139,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         self,
         block_size: int = 1,
         prefetch_depth: int = 2,
-        vram_budget: int | str | None = None,
+        vram_budget: int | str | None = CARD,
         budget_tokens: int | None = None,
         offload_activations: bool | None = None,
         keep_activations: bool = True,
@@ -170,6 +182,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         )
         self.block_size = block_size
         self.prefetch_depth = prefetch_depth
+        #: Whether the budget is the card's, decided at setup (then ``vram_budget`` holds its bytes for the run).
+        self.card_budget = vram_budget == CARD
         self.vram_budget = budget_bytes(vram_budget)
         self.budget_tokens = budget_tokens
         self.offload_activations = offload_activations
@@ -214,7 +228,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
-        elif self.vram_budget is not None:
+        elif self.vram_budget is not None and not self.card_budget:
             rank_zero_warn(
                 f"{self._budget_owner} has no effect on the {self.root_device.type.upper()}: the frozen base already"
                 " lives in host memory, so every block counts as resident and nothing streams or is capped. Drop"
@@ -237,8 +251,15 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             share_key=shared_copy_key(self._stack.model.config, self.share_host_copy, self.is_distributed),
         )
         owner = self._budget_owner
-        for change in self._placement.place(self.lightning_module, self._stack, device, self.vram_budget, owner):
+        cap = None if self.card_budget else self.vram_budget
+        for change in self._placement.place(self.lightning_module, self._stack, device, cap, owner):
             rank_zero_info(f"BlockwiseStrategy: {change}.")
+        if self.card_budget and device.type == "cuda":
+            # NOTE [ The card as the default budget ] in device_memory.py: planned for, not set as a cap.
+            held = torch.cuda.memory_allocated(device) - device_bytes(self.lightning_module, device)
+            card = card_budget(device, held_outside=max(0, held))
+            self.vram_budget = card.budget
+            rank_zero_info(f"BlockwiseStrategy: vram_budget='card': {card.why}.")
         budget = StepBudget.for_module(
             self.lightning_module,
             self._stack.model,
@@ -273,6 +294,9 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
 
     @property
     def _budget_owner(self) -> str:
+        if self.card_budget:
+            planned = "" if self.vram_budget is None else f", here {format_gib(self.vram_budget)}"
+            return f"`BlockwiseStrategy(vram_budget='card')` (the default: the card's free memory{planned})"
         return f"`BlockwiseStrategy(vram_budget={self.vram_budget})`"
 
     @override

@@ -125,6 +125,72 @@ def apply_cap(device: torch.device, budget: int | None, held_outside: int = 0) -
     return DeviceMemoryCap(device, found, turned_on), changes
 
 
+# NOTE [ The card as the default budget ]
+# Without a ``vram_budget`` the run plans for the card: what this process may use at setup, which is
+# the free memory plus what its caching allocator holds already (its reserved bytes are free to the
+# run once the packed base has left the device), bounded by a per-process cap already set (another
+# job or a peer on the card is respected through both), less what the process holds outside the
+# module and a margin for memory that appears outside the caching allocator during the run (NCCL's
+# buffers under DDP, kernels loaded at the first step, the CUDA context's growth): 1 GiB, or 3% of
+# the card's limit on cards over 33 GiB. Blocks that fit it stay resident and keep their activations,
+# the rest streams, and layer inputs go to host memory only when the step needs it, as with a set
+# budget (the same planner, the same 10% allocator headroom). Unlike a set budget it does not cap the
+# allocator: the card is the cap already, and a run that outgrows its plan would run out of memory
+# either way. With expandable segments turned off by the user the headroom the plan keeps was never
+# measured (NOTE [ Expandable segments ]), so there is no card budget and every block streams.
+
+#: The least margin the card's budget keeps below what the process may use (NOTE [ The card as the default budget ]).
+CARD_MARGIN = 2**30
+#: The margin as a share of the process's limit on large cards, in percent.
+CARD_MARGIN_PERCENT = 3
+
+
+@dataclass(frozen=True)
+class CardBudget:
+    """The budget a run without ``vram_budget`` plans for on a CUDA device (NOTE [ The card as the default budget ]).
+
+    Attributes:
+        budget: Bytes the run may take, or ``None`` where expandable segments are off (every block streams).
+        usable: Bytes this process may use on the device now (free plus reserved, under any per-process cap).
+        held_outside: Bytes the process holds on the device outside the module.
+        margin: Bytes kept back for memory outside the caching allocator.
+        why: One clause for the setup line: what was decided and why.
+    """
+
+    budget: int | None
+    usable: int
+    held_outside: int
+    margin: int
+    why: str
+
+
+def card_budget(device: torch.device, held_outside: int = 0) -> CardBudget:
+    """What a run without ``vram_budget`` may take of the CUDA ``device`` (NOTE [ The card as the default budget ]).
+
+    Args:
+        device: A CUDA device, with the module's rest already moved to it and the packed base off it.
+        held_outside: Device bytes the process holds outside the module (another model, a reference run).
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+    usable = min(free + torch.cuda.memory_reserved(device), cap)
+    margin = max(CARD_MARGIN, usable * CARD_MARGIN_PERCENT // 100)
+    capped = f" under the per-process cap of {format_gib(cap)}" if cap < total else ""
+    if expandable_segments_choice() is False:
+        why = (
+            f"no budget from the card: {_CONF_VARIABLE} turns expandable segments off, under which the plan's allocator"
+            " headroom does not hold, so every block streams (set `vram_budget` to keep blocks on the card)"
+        )
+        return CardBudget(None, usable, held_outside, margin, why)
+    budget = max(0, usable - held_outside - margin)
+    outside = f", less {format_gib(held_outside)} the process holds outside the module" if held_outside else ""
+    why = (
+        f"the card's budget {format_gib(budget)}: {format_gib(usable)} this process may use{capped}{outside}, less a"
+        f" {format_gib(margin)} margin (`vram_budget` overrides)"
+    )
+    return CardBudget(budget, usable, held_outside, margin, why)
+
+
 def blas_workspace_bytes(device: torch.device, threads: int = BLAS_THREADS) -> int:
     """Bytes of the cuBLAS workspaces a training step on ``device`` allocates through the caching allocator.
 
@@ -153,4 +219,14 @@ def _set_allocator_settings(setting: str) -> None:
     setter(setting)
 
 
-__all__ = ["DeviceMemoryCap", "apply_cap", "blas_workspace_bytes", "check_cap", "expandable_segments_choice"]
+__all__ = [
+    "CARD_MARGIN",
+    "CARD_MARGIN_PERCENT",
+    "CardBudget",
+    "DeviceMemoryCap",
+    "apply_cap",
+    "blas_workspace_bytes",
+    "card_budget",
+    "check_cap",
+    "expandable_segments_choice",
+]

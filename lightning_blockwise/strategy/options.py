@@ -40,14 +40,21 @@ def check_bool(name: str, value: Any) -> None:
         )
 
 
+#: The ``vram_budget`` that plans for the whole card (NOTE [ The card as the default budget ] in device_memory.py).
+CARD = "card"
+
+
 def budget_bytes(vram_budget: int | str | None) -> int | None:
-    """``vram_budget`` in bytes (``None`` stays ``None``), or a clear error."""
-    if vram_budget is None:
+    """``vram_budget`` in bytes (``None`` and ``"card"``, decided at setup, give ``None``), or a clear error."""
+    if vram_budget is None or vram_budget == CARD:
         return None
     try:
         return parse_bytes(vram_budget)
     except ValueError as error:
-        raise MisconfigurationException(f"`BlockwiseStrategy(vram_budget={vram_budget!r})`: {error}") from None
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy(vram_budget={vram_budget!r})`: {error} Or write `vram_budget='card'` (the default:"
+            " the card's free memory) or `vram_budget=None` (no budget: every block streams)."
+        ) from None
 
 
 def check_device(device: _DEVICE | None) -> None:
@@ -139,6 +146,7 @@ def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
 
 
 __all__ = [
+    "CARD",
     "budget_bytes",
     "check_bool",
     "check_count",

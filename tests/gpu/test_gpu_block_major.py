@@ -44,8 +44,8 @@ def test_block_major_equals_resident_deterministic(qwen2_checkpoint: Path, monke
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
     resident = _fit(qwen2_checkpoint, "auto")
-    windowed = _fit(qwen2_checkpoint, BlockwiseStrategy(block_major_accumulation=True))
+    windowed = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=None, block_major_accumulation=True))
     assert_equal_runs(windowed, resident)
     monkeypatch.setattr(block_major, "sorted", lambda keys: builtins.sorted(keys, reverse=True), raising=False)
-    reversed_order = _fit(qwen2_checkpoint, BlockwiseStrategy(block_major_accumulation=True))
+    reversed_order = _fit(qwen2_checkpoint, BlockwiseStrategy(vram_budget=None, block_major_accumulation=True))
     assert runs_differ(reversed_order, resident)

@@ -1,13 +1,16 @@
 """GPU: a budget sized at short batches holds when longer ones come (the plan is made again before their step).
 
-`python -m pytest tests/gpu/test_gpu_budget.py -s` (default mode; nothing here is about exactness).
+`python -m pytest tests/gpu/test_gpu_budget.py -s` (default mode) and, for the exactness of the card's default
+budget, `CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_budget.py -s -k card`.
 The budget is the caching allocator's cap during the run (NOTE [ A budget is a cap on the card ]).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -62,3 +65,33 @@ def test_short_batches_then_long_ones_under_the_budget_as_a_cap(qwen2_checkpoint
     assert reserved <= BUDGET  # holds by construction under the cap; the plan is what is checked next
     # The planner's prediction is never under what the steps allocated (here the long batches' plan is the largest).
     assert allocated <= max(module.predicted), (allocated, module.predicted)
+
+
+def test_the_card_is_the_default_budget_and_training_stays_exact(qwen2_checkpoint: Path) -> None:
+    """NOTE [ The card as the default budget ]: a model that fits trains as resident training does, exactly.
+
+    Deterministic mode; the control (`vram_budget=None`, every block streamed) shows the default changed the plan.
+    """
+    from tests.helpers.models import assert_equal_runs, fit_on_gpu
+
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
+        pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
+    build = nf4_lora_builder(qwen2_checkpoint, DEFAULT_TARGETS, r=16)
+    plans: list[tuple[int, int, int, bool]] = []
+
+    class _Record(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            strategy = trainer.strategy
+            plan = strategy.residency_plan
+            plans.append((len(plan.resident), len(plan.kept), strategy.plan.num_blocks, strategy.card_budget))
+
+    resident = fit_on_gpu(build, "auto", steps=3, accumulate=2, seq=512)
+    card = fit_on_gpu(build, BlockwiseStrategy(), steps=3, accumulate=2, seq=512, callbacks=[_Record()])
+    streamed = fit_on_gpu(build, BlockwiseStrategy(vram_budget=None), steps=3, accumulate=2, seq=512,
+                          callbacks=[_Record()])  # fmt: skip
+    print(f"\n(resident blocks, kept blocks, blocks, card budget): default {plans[0]}, vram_budget=None {plans[1]}")
+    (card_resident, card_kept, blocks, is_card), (streamed_resident, streamed_kept, _, _) = plans
+    assert is_card and card_resident == blocks and card_kept == blocks  # the whole small model stays, no recompute
+    assert streamed_resident == 0 and streamed_kept == 0  # control: no budget streams every block
+    assert_equal_runs(resident, card)
+    assert_equal_runs(resident, streamed)

@@ -48,7 +48,7 @@ def _run(path: Path, root: Path, steps: int, ckpt_path: Path | None = None, **st
     module = CausalLMModule(nf4_lora_builder(path, TARGETS, r=8, lora_dropout=0.1), in_configure_model=True, lr=1e-3)
     checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     fitter = trainer(
-        BlockwiseStrategy(**strategy),
+        BlockwiseStrategy(**{"vram_budget": None, **strategy}),
         accelerator="gpu",
         precision="bf16-mixed",
         deterministic=True,

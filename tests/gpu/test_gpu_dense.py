@@ -80,11 +80,11 @@ def test_dense_deterministic_parity_and_control(qwen2_checkpoint: Path, monkeypa
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
     resident = _fit_gpu(qwen2_checkpoint, "standard", "auto")
-    strategy = BlockwiseStrategy(block_size=BLOCK_SIZE)
+    strategy = BlockwiseStrategy(vram_budget=None, block_size=BLOCK_SIZE)
     blockwise = _fit_gpu(qwen2_checkpoint, "blockwise", strategy)
     assert_equal_runs(resident, blockwise)
     print(f"[gpu dense parity] {len(resident.losses)} micro-batches, {STEPS} steps: torch.equal on all")
 
     monkeypatch.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
-    broken = _fit_gpu(qwen2_checkpoint, "blockwise", BlockwiseStrategy(block_size=BLOCK_SIZE))
+    broken = _fit_gpu(qwen2_checkpoint, "blockwise", BlockwiseStrategy(vram_budget=None, block_size=BLOCK_SIZE))
     assert runs_differ(resident, broken), "control: RNG restore off with dropout on must differ"

@@ -30,7 +30,7 @@ def test_finetune_loads_into_the_pinned_arena_and_trains(tmp_path: Path) -> None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
-    strategy = BlockwiseStrategy(block_size=1)
+    strategy = BlockwiseStrategy(vram_budget=None, block_size=1)
     module = CausalLMFineTune(str(tmp_path / "ckpt"), lora_r=16, warmup_steps=1, learning_rate=1e-3)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="gpu", precision="bf16-mixed", max_steps=8, limit_val_batches=0,

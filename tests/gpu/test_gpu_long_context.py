@@ -37,7 +37,7 @@ def test_offload_equals_resident_deterministic(qwen2_checkpoint: Path) -> None:
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
     resident = _fit(qwen2_checkpoint, "auto")
-    strategy = BlockwiseStrategy(offload_activations=True)
+    strategy = BlockwiseStrategy(vram_budget=None, offload_activations=True)
     offloaded = _fit(qwen2_checkpoint, strategy)
     assert strategy.step_plan is not None and strategy.step_plan.offload
     assert_equal_runs(resident, offloaded)

@@ -63,7 +63,7 @@ def _builder(path: Path) -> Callable[[], torch.nn.Module]:
 def _fit(path: Path, callbacks: list[Callback], **kwargs: Any) -> Any:
     batches = padded_batches(8, batch_size=2, seq=128, vocab=1024)
     kwargs = {"accelerator": "gpu", "precision": "bf16-mixed", "deterministic": True, **kwargs}
-    strategy = kwargs.pop("strategy", BlockwiseStrategy(block_size=1))
+    strategy = kwargs.pop("strategy", BlockwiseStrategy(vram_budget=None, block_size=1))
     return fit(CausalLMModule(_builder(path)), strategy, batches, callbacks=callbacks, **kwargs)
 
 

@@ -52,13 +52,21 @@ def test_training_from_a_shared_read_only_copy_is_exact(small_llama_checkpoint: 
         shared = _module(small_llama_checkpoint, share=True)
         copy = host_copy_of(shared.model.get_base_model())
         assert copy is not None and copy.arena.read_only and copy.arena.pinned
-        mapped = fit(shared, BlockwiseStrategy(block_size=1), batches, accelerator="gpu", precision="bf16-mixed")
+        mapped = fit(
+            shared,
+            BlockwiseStrategy(vram_budget=None, block_size=1),
+            batches,
+            accelerator="gpu",
+            precision="bf16-mixed",
+        )
     finally:
         hold.touch()
         assert owner.wait(timeout=120) == 0
     own = _module(small_llama_checkpoint, share=False)
     own_copy = host_copy_of(own.model.get_base_model())
     assert own_copy is not None and not own_copy.arena.read_only
-    mine = fit(own, BlockwiseStrategy(block_size=1), batches, accelerator="gpu", precision="bf16-mixed")
+    mine = fit(
+        own, BlockwiseStrategy(vram_budget=None, block_size=1), batches, accelerator="gpu", precision="bf16-mixed"
+    )
     print(f"\n[shared copy] losses {[round(x.item(), 4) for x in mapped.losses]}")
     assert_equal_runs(mine, mapped)

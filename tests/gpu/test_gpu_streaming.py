@@ -51,7 +51,7 @@ def _delay_compute(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_slot_reuse_waits_for_delayed_compute(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     resident = _fit(checkpoint, "auto")
     _delay_compute(monkeypatch)
-    delayed = _fit(checkpoint, BlockwiseStrategy(block_size=1, prefetch_depth=1))
+    delayed = _fit(checkpoint, BlockwiseStrategy(vram_budget=None, block_size=1, prefetch_depth=1))
     assert_equal_runs(resident, delayed)
 
 
@@ -60,7 +60,7 @@ def test_control_slot_reuse_without_freed_events_races(checkpoint: Path, monkeyp
     resident = _fit(checkpoint, "auto")
     _delay_compute(monkeypatch)
     monkeypatch.setattr(BlockStreamer, "release", lambda self, layer, phase: None)
-    racing = _fit(checkpoint, BlockwiseStrategy(block_size=1, prefetch_depth=1))
+    racing = _fit(checkpoint, BlockwiseStrategy(vram_budget=None, block_size=1, prefetch_depth=1))
     assert runs_differ(resident, racing)
 
 
@@ -69,7 +69,7 @@ def test_repeated_fits_do_not_grow_memory(checkpoint: Path) -> None:
     batches = padded_batches(4, batch_size=2, seq=128, vocab=1024)
     allocated, arenas = [], []
     for _ in range(3):
-        strategy = BlockwiseStrategy(block_size=2)
+        strategy = BlockwiseStrategy(vram_budget=None, block_size=2)
         fit(module, strategy, batches, accelerator="gpu", precision="bf16-mixed", max_steps=2)
         # The test module records every step's grads and losses on the device; they are not the strategy's.
         module.grads.clear()
@@ -84,7 +84,7 @@ def test_repeated_fits_do_not_grow_memory(checkpoint: Path) -> None:
 
 def test_budget_parity(checkpoint: Path) -> None:
     resident = _fit(checkpoint, "auto")
-    probe = BlockwiseStrategy(block_size=1)
+    probe = BlockwiseStrategy(vram_budget=None, block_size=1)
     _fit(checkpoint, probe, max_steps=1)
     assert probe.residency_plan is not None and probe.host_copy is not None
     # Resident blocks only (kept ones: test_kept_activations_parity); 10% more per block for the allocator.
@@ -99,7 +99,7 @@ def test_kept_activations_parity(checkpoint: Path) -> None:
     import dataclasses
 
     resident = _fit(checkpoint, "auto")
-    probe = BlockwiseStrategy(block_size=1, budget_tokens=2 * 128)
+    probe = BlockwiseStrategy(vram_budget=None, block_size=1, budget_tokens=2 * 128)
     _fit(checkpoint, probe, max_steps=1)
     assert probe.step_plan is not None and probe._planner is not None
     minimum, budget = probe.step_plan.residency.minimum, None

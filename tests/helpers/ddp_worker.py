@@ -79,7 +79,7 @@ def main() -> None:
         )
     module = CausalLMModule(build)
     if args.strategy == "blockwise":
-        strategy = BlockwiseStrategy(ddp_kwargs=args.ddp_kwargs)
+        strategy = BlockwiseStrategy(vram_budget=None, ddp_kwargs=args.ddp_kwargs)
     else:
         strategy = DDPStrategy(**args.ddp_kwargs)
     args.out.mkdir(parents=True, exist_ok=True)
