@@ -13,6 +13,11 @@ no checkpointing, PyTorch DDP).
 
     NCCL_NVLS_ENABLE=0 python benchmarks/data_parallel.py --arm blockwise --devices 2 --shape 7b --seq 2048 \\
         --out results.jsonl
+    NCCL_NVLS_ENABLE=0 python benchmarks/data_parallel.py --arm blockwise --devices 2 --shape 72b --seq 2048 \\
+        --random-init --out results.jsonl
+
+``--random-init`` (blockwise arms): each rank builds the base with ``random_blockwise(share=True)`` instead of on
+its GPU: one host copy for the machine (the ranks' ``host_copy`` is ``own`` on one and ``mapped`` on the others).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.step_benchmark import SHAPES, BenchModule, StepTimer, build_model
-from lightning_blockwise import BlockwiseStrategy
+from benchmarks.step_benchmark import SHAPES, TARGETS, BenchModule, StepTimer, build_model
+from lightning_blockwise import BlockwiseStrategy, random_blockwise
+from lightning_blockwise.residency.placement import host_copy_of
+from lightning_blockwise.residency.shared_arena import shmem_bytes
 
 
 def _batches(count: int, vocab: int, seq: int) -> list[dict[str, torch.Tensor]]:
@@ -44,6 +52,18 @@ def _batches(count: int, vocab: int, seq: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
+def _build_in_arena(shape: str, device: torch.device) -> tuple[Any, Any]:
+    """``build_model``'s model (seed 0), its base built by ``random_blockwise`` into one host copy per machine.
+
+    The first rank on the machine builds the arena; the others build block by block to check the bytes and map
+    its pages (NOTE [ One host copy per machine ] in residency/shared_arena.py). Block size 1, the arms'.
+    """
+    config = SHAPES[shape]()
+    frozen = random_blockwise(config, seed=0, compute_dtype=torch.bfloat16, device=device, share=True, progress=False)
+    torch.manual_seed(0)
+    return get_peft_model(frozen, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)), config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", required=True, help="blockwise, blockwise:BUDGET or ddp")
@@ -53,13 +73,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True, help="append the arm's JSON line here (rank 0)")
+    parser.add_argument(
+        "--random-init",
+        action="store_true",
+        help="build the base with random_blockwise(share=True) into one host copy for the machine, not on each GPU",
+    )
     args = parser.parse_args()
+    if args.random_init and not args.arm.startswith("blockwise"):
+        parser.error("--random-init builds the base into the host arena, which only the blockwise arms train from")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     built = time.perf_counter()
-    model, config = build_model(args.shape, device)
+    if args.random_init:
+        model, config = _build_in_arena(args.shape, device)
+    else:
+        model, config = build_model(args.shape, device)
     built = time.perf_counter() - built
+    copy = host_copy_of(model.get_base_model())
 
     strategy: Any
     if args.arm == "ddp":
@@ -84,6 +115,8 @@ def main() -> None:
         "h2d_gb_per_step": statistics.median(timer.h2d_bytes) / 1e9,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9, "threads": torch.get_num_threads(),
         "build_s": built, "times": timer.times,
+        "host_copy": None if copy is None else "mapped" if copy.arena.read_only else "own",
+        "host_copy_gb": None if copy is None else copy.arena.nbytes / 1e9, "shmem_gb": shmem_bytes() / 1e9,
     }  # fmt: skip
     records = [None] * trainer.world_size
     if trainer.world_size > 1:
