@@ -1,0 +1,154 @@
+"""GPU: Liger-Kernel's layers (``use_liger_kernels``) train blockwise exactly as resident, and how much faster they are.
+
+One command runs both tests (the parity test in deterministic mode, the timing in default mode):
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_kernels.py -s`
+(needs `pip install "lightning-blockwise[kernels]"`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import lightning_blockwise  # noqa: F401
+from lightning_blockwise.kernels.forwards import LigerForward
+from lightning_blockwise.kernels.liger import liger_kernels_in, use_liger_kernels
+from tests.helpers.models import (
+    DEFAULT_TARGETS,
+    GPU_SHAPES,
+    assert_equal_runs,
+    fit_on_gpu,
+    nf4_lora_builder,
+    runs_differ,
+)
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("liger_kernel", reason='needs pip install "lightning-blockwise[kernels]"')
+
+LAYERS = 4  # a few real-shape layers (Qwen2.5-1.5B, Llama-3.2-1B): the switch is per layer
+SEQ = 512
+STEPS = 4
+ACCUMULATE = 2
+TIMED_STEPS = 23  # 3 of warm-up, 20 timed
+
+
+@pytest.fixture(scope="module", params=sorted(GPU_SHAPES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A random-init bf16 checkpoint of a real architecture's shape, ``LAYERS`` decoder layers."""
+    path = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    config = GPU_SHAPES[request.param]()
+    config.num_hidden_layers = LAYERS
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:LAYERS]  # Qwen2's, one per layer
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return request.param, path
+
+
+def _builder(path: Path, liger: bool) -> Callable[[], nn.Module]:
+    """NF4 base, LoRA r16 with dropout on every projection; Liger's kernels installed when ``liger``."""
+    build = nf4_lora_builder(path, DEFAULT_TARGETS, r=16)
+
+    def with_kernels() -> nn.Module:
+        model = build()
+        if liger:
+            use_liger_kernels(model)
+            assert liger_kernels_in(model) == {"rms_norm": 2 * LAYERS + 1, "rope": LAYERS, "mlp": LAYERS}
+        return model
+
+    return with_kernels
+
+
+@pytest.fixture
+def liger_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the installed Liger forwards by kernel: proof that the run computed with them."""
+    calls: dict[str, int] = {"rms_norm": 0, "rope": 0, "mlp": 0}
+    for cls in LigerForward.__subclasses__():
+        original = cls.__call__
+
+        def counting(self: LigerForward, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            calls[self.kernel] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", counting)
+    return calls
+
+
+def test_deterministic_liger_blockwise_equals_resident_and_control(
+    checkpoint: tuple[str, Path], liger_calls: dict[str, int]
+) -> None:
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
+        pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
+    name, path = checkpoint
+    micro_batches = STEPS * ACCUMULATE
+    resident = fit_on_gpu(_builder(path, liger=True), "auto", STEPS, ACCUMULATE, SEQ)
+    # One forward per micro-batch, each layer's attention once.
+    assert liger_calls["rope"] == micro_batches * LAYERS, liger_calls
+    resident_calls = dict(liger_calls)
+    blockwise = fit_on_gpu(_builder(path, liger=True), "blockwise", STEPS, ACCUMULATE, SEQ)
+    # Blockwise: each layer's no-grad forward and its recompute in the backward, both with Liger's kernels.
+    assert liger_calls["rope"] - resident_calls["rope"] == 2 * micro_batches * LAYERS, liger_calls
+    assert_equal_runs(resident, blockwise)
+    print(f"[gpu kernels] {name}: Liger on, {micro_batches} micro-batches, {STEPS} steps: blockwise == resident")
+
+    # Control: the switch changes the compute, so the module without it trains another function.
+    plain = fit_on_gpu(_builder(path, liger=False), "auto", STEPS, ACCUMULATE, SEQ)
+    assert runs_differ(resident, plain), "control: Liger's kernels on and off must differ"
+    delta = max((a - b).abs().item() for a, b in zip(resident.losses, plain.losses, strict=True))
+    print(f"[gpu kernels] {name}: Liger on vs off, largest loss difference {delta:.3g} (rounding)")
+
+
+class _StepTimer(pl.Callback):
+    """Seconds of each training batch (synchronized), the first ``warmup`` left out (Triton compiles there)."""
+
+    def __init__(self, warmup: int = 3) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, index: int) -> None:
+        torch.cuda.synchronize()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self._start)
+
+    @property
+    def seconds(self) -> float:
+        # The median: a 4-layer step is tens of milliseconds, and a stray slow step would move a mean.
+        return statistics.median(self.times[self.warmup :])
+
+
+def test_liger_speed_report(checkpoint: tuple[str, Path], liger_calls: dict[str, int]) -> None:
+    """s/step of one 2048-token micro-batch, resident and blockwise, Liger off and on (default mode; a report)."""
+    name, path = checkpoint
+    seconds: dict[tuple[str, bool], float] = {}
+    for strategy in ("auto", "blockwise"):
+        for liger in (False, True):
+            timer = _StepTimer()
+            before = sum(liger_calls.values())
+            fit_on_gpu(_builder(path, liger), strategy, TIMED_STEPS, 1, 2048, deterministic=False, callbacks=[timer])
+            # The arm computed with Liger's kernels exactly when it was asked to.
+            assert (sum(liger_calls.values()) > before) == liger, (strategy, liger, liger_calls)
+            seconds[strategy, liger] = timer.seconds
+    for strategy in ("auto", "blockwise"):
+        off, on = seconds[strategy, False], seconds[strategy, True]
+        print(
+            f"[gpu kernels] {name}, {LAYERS} layers, 2048 tokens, {strategy}: {off:.4f} s/step without Liger,"
+            f" {on:.4f} s/step with ({off / on:.2f}x)"
+        )
