@@ -2,6 +2,7 @@
 
     python -m benchmarks.block_major --shape 72b --accumulate 4 --windows 2 --warmup 1 \
         --arms resident blockwise blockwise:block_major --out results.jsonl
+    python -m benchmarks.block_major --shape 123b --random-init --arms blockwise blockwise:block_major
 
 The step benchmark's model (random-init NF4, or with ``--base dense`` bf16, of a real Qwen2.5 shape, LoRA r=16
 on the seven projections without dropout: block-major accumulation refuses it), trained through ``Trainer.fit`` with
@@ -10,7 +11,9 @@ checkpointing, the denominator), ``blockwise`` (streaming every micro-batch, def
 ``blockwise:block_major`` (``block_major_accumulation=True``). Per optimizer step (a window of G micro-batches,
 timed from its first batch's start to its last batch's end, synchronized): wall time, time per micro-batch and
 host-to-device bytes (the streamer's counters); the medians over ``--windows`` windows after ``--warmup``, and
-the peak allocated memory over the measured windows. One JSON line per arm.
+the peak allocated memory over the measured windows. One JSON line per arm. ``--random-init`` builds the base
+with ``random_blockwise`` straight into the host arena (shapes whose base does not fit the GPU: ``123b``), afresh
+for each arm, without the ``resident`` arm.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.data_parallel import build_in_arena
 from benchmarks.step_benchmark import BASES, SHAPES, BenchModule, StepTimer, build_model
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.residency.placement import detach_host_copy
@@ -72,18 +76,41 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--arms", nargs="+", default=["resident", "blockwise", "blockwise:block_major"])
     parser.add_argument("--out", default=None, help="append the JSON lines here")
+    parser.add_argument(
+        "--random-init",
+        action="store_true",
+        help="build the base with random_blockwise into the host arena (never whole on the GPU), afresh for each arm",
+    )
     args = parser.parse_args()
+    if args.random_init and "resident" in args.arms:
+        parser.error(
+            "--random-init builds the base into the host arena; drop the `resident` arm, which needs it on the GPU"
+        )
     device = torch.device("cuda")
-    start = time.perf_counter()
-    # LoRA r=16 on the seven projections, PEFT's default dropout of 0 (block-major accumulation refuses dropout).
-    model, config = build_model(args.shape, device, args.base)
-    print(f"built {args.shape} in {time.perf_counter() - start:.0f} s", flush=True)
+
+    def build() -> tuple[torch.nn.Module, Any]:
+        start = time.perf_counter()
+        # LoRA r=16 on the seven projections, PEFT's default dropout of 0 (block-major accumulation refuses dropout).
+        if args.random_init:
+            built = build_in_arena(args.shape, device, quantize=args.base == "nf4")
+        else:
+            built = build_model(args.shape, device, args.base)
+        print(f"built {args.shape} in {time.perf_counter() - start:.0f} s", flush=True)
+        return built
+
+    model, config = build()
     rows = []
     for arm in args.arms:
-        model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
-        # The earlier arm's arena is no longer bound: freed before this arm packs its own (a 32B dense base is a
-        # 62 GB arena; two at once do not fit a 128 GB host).
-        detach_host_copy(model.get_base_model())
+        if args.random_init and rows:
+            # The earlier arm's base is dropped before this arm builds its own (a 123B NF4 arena is 68 GB).
+            del model
+            gc.collect()
+            model, config = build()
+        elif not args.random_init:
+            model.to(device)  # a blockwise run leaves the base in host memory, as its teardown moves the module
+            # The earlier arm's arena is no longer bound: freed before this arm packs its own (a 32B dense base is a
+            # 62 GB arena; two at once do not fit a 128 GB host).
+            detach_host_copy(model.get_base_model())
         gc.collect()
         torch.cuda.empty_cache()
         row = {

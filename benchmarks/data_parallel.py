@@ -52,14 +52,17 @@ def _batches(count: int, vocab: int, seq: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def _build_in_arena(shape: str, device: torch.device) -> tuple[Any, Any]:
+def build_in_arena(shape: str, device: torch.device, quantize: bool = True) -> tuple[Any, Any]:
     """``build_model``'s model (seed 0), its base built by ``random_blockwise`` into one host copy per machine.
 
-    The first rank on the machine builds the arena; the others build block by block to check the bytes and map
+    The first process on the machine builds the arena; the others build block by block to check the bytes and map
     its pages (NOTE [ One host copy per machine ] in residency/shared_arena.py). Block size 1, the arms'.
+    ``quantize=False``: a dense bf16 base.
     """
     config = SHAPES[shape]()
-    frozen = random_blockwise(config, seed=0, compute_dtype=torch.bfloat16, device=device, share=True, progress=False)
+    frozen = random_blockwise(
+        config, seed=0, compute_dtype=torch.bfloat16, device=device, share=True, progress=False, quantize=quantize
+    )
     torch.manual_seed(0)
     return get_peft_model(frozen, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)), config
 
@@ -86,7 +89,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     built = time.perf_counter()
     if args.random_init:
-        model, config = _build_in_arena(args.shape, device)
+        model, config = build_in_arena(args.shape, device)
     else:
         model, config = build_model(args.shape, device)
     built = time.perf_counter() - built
