@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_arms.spec import UNSLOTH_BUDGET, Arm, Point, parse_arm, point
+from benchmarks.peer_arms.spec import SYSTEM_NAMES, UNSLOTH_BUDGET, Arm, Point, parse_arm, point
 from benchmarks.peer_arms.table import read_rows, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,9 +149,9 @@ def _without_peer_site(path: str) -> list[str]:
 
 
 def _missing(arm: Arm, p: Point, args: argparse.Namespace, status: str, why: str) -> dict[str, Any]:
-    return {"system": arm.system, "arm": arm.name, "shape": args.shape, "settings": {"cap_gib": args.cap_gib},
-            "point": p.key, "data": p.data, "tokens": p.tokens, "batch": p.batch, "step_tokens": p.step_tokens,
-            "status": status, "error": why}  # fmt: skip
+    where = {"point": p.key, "data": p.data, "tokens": p.tokens, "batch": p.batch, "step_tokens": p.step_tokens}
+    head = {"system": SYSTEM_NAMES[arm.system], "arm": arm.name, "shape": args.shape}
+    return {**head, "settings": {"cap_gib": args.cap_gib}, **where, "status": status, "error": why}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from benchmarks.peer_arms import measure
-from benchmarks.peer_arms.spec import TILE_TOKENS, UNSLOTH_BUDGET, Arm, Point, parse_arm, parse_point
+from benchmarks.peer_arms.spec import SYSTEM_NAMES, TILE_TOKENS, UNSLOTH_BUDGET, Arm, Point, parse_arm, parse_point
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
@@ -156,33 +156,32 @@ def strategy_for(arm: Arm, point: Point, budgets: dict[str, str]) -> tuple[Any, 
 def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace, device: torch.device) -> dict:
     """Time ``arm`` at ``point``: the row's measured fields (an OOM is a result, not a crash)."""
     steps, warmup = point.steps(args.steps)
-    strategy, options = strategy_for(arm, point, args.budgets)
     chunk = None if arm.loss == "hf" else int(arm.loss.split(":")[1])
-    data = batches(point, steps + warmup, model.config.vocab_size)
     timer = Timer(warmup, device)
-    trainer = pl.Trainer(
-        accelerator=device.type if device.type == "cpu" else "gpu", devices=1, strategy=strategy,
-        precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
-    )  # fmt: skip
+    row: dict[str, Any] = {"steps": steps, "warmup": warmup}
+    strategy: Any = None
     model.to(device)  # a blockwise run leaves the base in host memory
     measure.reset_peaks(device)
-    row: dict[str, Any] = {"steps": steps, "warmup": warmup, "strategy": options}
-    try:
+    try:  # the strategy's and the data's refusals are this point's result too
+        strategy, row["strategy"] = strategy_for(arm, point, args.budgets)
+        data = batches(point, steps + warmup, model.config.vocab_size)
+        row["step_tokens_mean"] = sum(int(b["input_ids"].numel()) for b in data) / len(data)
+        trainer = pl.Trainer(
+            accelerator=device.type if device.type == "cpu" else "gpu", devices=1, strategy=strategy,
+            precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        )  # fmt: skip
         trainer.fit(PeerModule(model, chunk), DataLoader(data, batch_size=None))
         row["status"] = "ok"
+        row.update(measure.timing(timer.times, row["step_tokens_mean"]), loss_first=timer.losses[0],
+                   loss_last=timer.losses[-1])  # fmt: skip
     except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
         row.update(measure.failure(error), steps_done=len(timer.losses))
-    step_tokens = sum(int(b["input_ids"].numel()) for b in data) / len(data)
-    row["step_tokens_mean"] = step_tokens
-    if row["status"] == "ok":
-        row.update(measure.timing(timer.times, step_tokens), loss_first=timer.losses[0], loss_last=timer.losses[-1])
     row.update(measure.peaks(device))
     plan = getattr(strategy, "step_plan", None)
     if plan is not None:
         row.update(predicted_peak_gb=plan.residency.predicted_peak / measure.GB, offload=plan.offload,
                    resident_blocks=len(plan.residency.resident))  # fmt: skip
-    del trainer, data
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -204,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--arm unsloth runs in benchmarks.peer_arms.unsloth_arm, not here.")
     args.budgets = dict(item.split("=", 1) for item in args.budget_for)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    head = {"system": {"peft": "transformers+peft"}.get(args.arm.system, "lightning-blockwise"),
-            "arm": args.arm.name, "shape": args.shape}  # fmt: skip
+    head: dict[str, Any] = {"system": SYSTEM_NAMES[args.arm.system], "arm": args.arm.name, "shape": args.shape}
     head["settings"] = measure.cap_allocator(device, args.cap_gib)
     head.update(device=measure.device_name(device), versions=measure.versions())
     points = sorted(args.points)

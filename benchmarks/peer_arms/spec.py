@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 #: The systems: this package (streamed, or resident as the compute floor), transformers + PEFT, Unsloth.
 SYSTEMS = ("ours", "resident", "peft", "unsloth")
+#: The ``system`` field of the rows: what a reader of the table calls each.
+SYSTEM_NAMES = {"ours": "lightning-blockwise", "resident": "lightning-blockwise", "peft": "transformers+peft",
+                "unsloth": "unsloth"}  # fmt: skip
 #: Options each system takes; ``name`` alone is a flag, ``name=value`` a value.
 OPTIONS: dict[str, tuple[str, ...]] = {
     "ours": ("liger", "budget", "offload", "chunked", "tiled", "hfloss"),

@@ -43,7 +43,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             if row is peer:
                 ratios = "1x | 1x"
             else:
-                theirs = (peer["s_per_step"], peer["peak_reserved_gb"]) if peer else (None, None)
+                theirs = (peer.get("s_per_step"), peer.get("peak_reserved_gb")) if peer else (None, None)
                 ratios = f"{_ratio(s, theirs[0])} | {_ratio(reserved, theirs[1])}"
             lines.append(
                 f"| {group[0]} | {group[1] or '-'} | {group[2]} | {row['arm']} | {_status(row)} | {_number(s, 3)} |"

@@ -1,0 +1,177 @@
+"""`benchmarks/peers.py` on the CPU: arms parsed, points ordered, each arm's process run end to end on a tiny shape,
+a failed, timed-out or out-of-memory arm recorded as rows, Unsloth skipped with a line, the table rendered."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import peers
+from benchmarks.peer_arms import lightning_arm
+from benchmarks.peer_arms.spec import parse_arm, parse_point, point
+from benchmarks.peer_arms.table import render
+
+
+def test_an_arm_is_a_system_and_its_options() -> None:
+    arm = parse_arm("ours+liger+budget=7.5GB+offload+tiled")
+    assert arm.system == "ours" and arm.budget == "7.5GB" and arm.loss == "chunked:1024"
+    assert arm.options == {"liger": True, "budget": "7.5GB", "offload": True, "tiled": True}
+    assert parse_arm("peft+hfloss").loss == "hf" and parse_arm("resident+chunked=512").loss == "chunked:512"
+    assert parse_arm("unsloth").loss == "unsloth" and parse_arm("unsloth+gc=false").options == {"gc": "false"}
+    with pytest.raises(ValueError, match=r"unsloth takes no option 'liger'; its options are gc"):
+        parse_arm("unsloth+liger")
+    with pytest.raises(ValueError, match=r"system 'hf' is not one of ours, resident, peft, unsloth"):
+        parse_arm("hf")
+    with pytest.raises(ValueError, match=r"budget needs a value"):
+        parse_arm("ours+budget")
+    with pytest.raises(ValueError, match=r"hfloss and chunked are two losses"):
+        parse_arm("ours+hfloss+chunked")
+
+
+def test_points_run_shortest_first_with_fewer_steps_beyond_16k() -> None:
+    points = [parse_point(k) for k in ("random:32768x1", "rows:4096x2", "random:4096x1", "random:16384x1")]
+    assert [p.key for p in sorted(points)] == ["random:4096x1", "rows:4096x2", "random:16384x1", "random:32768x1"]
+    assert point(16384).steps(None) == (5, 2) and point(32768).steps(None) == (3, 1)
+    assert point(8192, 4).steps(None) == (3, 1) and point(32768).steps(7) == (7, 1)
+    with pytest.raises(ValueError, match=r"rows:TOKENSxBATCH"):
+        parse_point("rows:4096")
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--shape", "tiny", "--device", "cpu", "--steps", "1", "--work", str(tmp_path), *extra]
+
+
+def test_driver_runs_each_arm_in_its_own_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    probe = tmp_path / "no-probe.py"
+    peers.main(_args(tmp_path, "--tokens", "32", "--rows", "64x2", "--arms", "unsloth", "ours", "resident", "peft",
+                     "--probe", str(probe)))  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert {(r["arm"], r["point"]) for r in rows} == {
+        (arm, key) for arm in ("unsloth", "ours", "resident", "peft") for key in ("random:32x1", "rows:64x2")
+    }
+    for row in rows:
+        if row["arm"] == "unsloth":
+            assert row["status"] == "skipped" and f"no peer probe at {probe}" in row["error"]
+            continue
+        assert row["status"] == "ok", row
+        assert row["s_per_step"] > 0 and row["tokens_per_s"] > 0 and row["steps"] == 1 and row["warmup"] == 2
+        assert row["device"] == "cpu" and row["versions"]["torch"] == torch.__version__
+        assert row["settings"]["loss"] == "chunked:1024" and row["settings"]["cap_gib"] is None
+    by = {(r["arm"], r["point"]): r for r in rows}
+    assert by["ours", "random:32x1"]["strategy"]["strategy"] == "blockwise"
+    assert by["resident", "random:32x1"]["settings"]["checkpointing"] == "none"
+    assert by["peft", "random:32x1"]["settings"]["checkpointing"].startswith("HF gradient checkpointing")
+    assert by["peft", "random:32x1"]["system"] == "transformers+peft"
+    # The packed rows: two of at most 64 tokens a step, from the shipped data, trained on (a finite loss).
+    packed = by["ours", "rows:64x2"]
+    assert packed["batch"] == 2 and 64 < packed["step_tokens_mean"] <= 128 and packed["loss_first"] > 0
+    table = capsys.readouterr().out.split("\n\n")[-1]
+    assert "| tiny | - | rows:64x2 | peft | ok |" in table
+    assert "| tiny | - | random:32x1 | unsloth | skipped: no peer probe at" in table
+
+
+def test_an_oom_is_a_row_and_longer_points_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = lightning_arm.PeerModule.training_step
+
+    def oom_beyond_40(self: Any, batch: dict[str, Any], idx: int) -> torch.Tensor:
+        if batch["input_ids"].shape[-1] > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return step(self, batch, idx)
+
+    monkeypatch.setattr(lightning_arm.PeerModule, "training_step", oom_beyond_40)
+    out = tmp_path / "rows.jsonl"
+    lightning_arm.main(["--arm", "resident", "--shape", "tiny", "--device", "cpu", "--steps", "1", "--out", str(out),
+                        "--points", "random:64x1", "random:32x1", "random:128x1"])  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["point"], r["status"]) for r in rows] == [
+        ("random:32x1", "ok"), ("random:64x1", "oom"), ("random:128x1", "skipped")
+    ]  # fmt: skip
+    assert "out of memory" in rows[1]["error"] and rows[2]["error"] == "random:64x1 ran out of memory"
+
+
+@pytest.mark.parametrize(
+    ("code", "timeout", "status"),
+    [
+        ("raise SystemExit(3)", 60.0, "crashed"),  # a crash after the first point
+        ("import time; time.sleep(60)", 1.0, "timeout"),  # still running at the arm's timeout
+        (None, 60.0, None),  # control: every point reported, nothing added
+    ],
+)
+def test_a_failed_arm_is_rows_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str | None, timeout: float, status: str | None
+) -> None:
+    points = [point(32), point(64)]
+
+    def command(arm: Any, mine: list, args: Any, out: Path, budgets: dict) -> list[str]:
+        write = "".join(
+            f"open({str(out)!r}, 'a').write({json.dumps(json.dumps({'arm': arm.name, 'point': p.key, 'status': 'ok'}))}"
+            " + '\\n'); "
+            for p in (mine[:1] if code else mine)
+        )
+        return [sys.executable, "-c", write + (code or "")]
+
+    monkeypatch.setattr(peers, "arm_command", command)
+    args = peers.main.__globals__["argparse"].Namespace(work=tmp_path, arm_timeout=timeout, shape="tiny", cap_gib=None)
+    rows = peers.run_arm(parse_arm("ours"), points, args, {})
+    assert [r["point"] for r in rows] == ["random:32x1", "random:64x1"]
+    assert rows[0]["status"] == "ok"
+    if status is None:
+        assert rows[1]["status"] == "ok"
+    else:
+        assert rows[1]["status"] == status and rows[1]["error"].startswith(status)
+
+
+def test_unsloth_not_importable_is_a_skip_line(tmp_path: Path) -> None:
+    probe, env = tmp_path / "probe.py", tmp_path / "peer-env.sh"
+    probe.write_text("")
+    env.write_text("export PEERS_TEST=1\n")  # puts nothing on the path: unsloth stays missing here
+    args = peers.main.__globals__["argparse"].Namespace(probe=probe, peer_env=env, device="cuda")
+    assert peers.unsloth_skip(args) == f"unsloth is not importable after sourcing {env}"
+    args.peer_env = tmp_path / "missing.sh"
+    assert peers.unsloth_skip(args) == f"no {args.peer_env} (copy ../shared/peers/peer-env.sh there)"
+
+
+def test_equal_memory_gives_ours_unsloths_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, tuple[list[str], dict[str, int]]] = {}
+
+    def fake_arm(arm: Any, mine: list, args: Any, budgets: dict[str, int]) -> list[dict[str, Any]]:
+        calls[arm.name] = ([p.key for p in mine], budgets)
+        peak = {"random:32x1": 1.5, "random:64x1": None}
+        return [{"arm": arm.name, "point": p.key, "data": p.data, "status": "ok" if peak.get(p.key) else "oom",
+                 "peak_reserved_gb": peak.get(p.key)} for p in mine]  # fmt: skip
+
+    monkeypatch.setattr(peers, "run_arm", fake_arm)
+    monkeypatch.setattr(peers, "unsloth_skip", lambda args: None)
+    peers.main(_args(tmp_path, "--tokens", "64", "32", "--rows", "64x2", "--arms", "ours", "unsloth",
+                     "--equal-memory"))  # fmt: skip
+    assert list(calls) == ["unsloth", "ours", "ours+liger+budget=unsloth"]  # Unsloth first
+    assert calls["ours+liger+budget=unsloth"] == (["random:32x1"], {"random:32x1": 1_500_000_000})
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    skipped = {r["point"] for r in rows if r["arm"] == "ours+liger+budget=unsloth" and r["status"] == "skipped"}
+    assert skipped == {"random:64x1", "rows:64x2"}
+
+
+def test_table_ratios_are_over_unsloth_at_the_same_point() -> None:
+    common = {"shape": "7b", "settings": {"cap_gib": 22.0}, "device": "NVIDIA H100", "steps": 5, "warmup": 2,
+              "step_tokens": 4096, "versions": {"torch": "2.11", "unsloth": "2026.10.9"}}  # fmt: skip
+    rows = [
+        {**common, "arm": "unsloth", "point": "random:4096x1", "status": "ok", "s_per_step": 2.0,
+         "tokens_per_s": 2048, "peak_allocated_gb": 8.0, "peak_reserved_gb": 10.0},
+        {**common, "arm": "ours", "point": "random:4096x1", "status": "ok", "s_per_step": 3.0,
+         "tokens_per_s": 1365, "peak_allocated_gb": 4.0, "peak_reserved_gb": 5.0},
+        {**common, "arm": "peft", "point": "random:4096x1", "status": "oom", "error": "OutOfMemoryError: CUDA",
+         "peak_allocated_gb": 21.0, "peak_reserved_gb": 22.0},
+    ]  # fmt: skip
+    table = render(rows)
+    assert "NVIDIA H100" in table and "unsloth 2026.10.9" in table and "median of 5 steps after 2 warm-up" in table
+    assert "| 7b | 22.0 | random:4096x1 | ours | ok | 3.000 | 1365 | 4.00 | 5.00 | 1.50x | 0.50x |" in table
+    assert "| 7b | 22.0 | random:4096x1 | unsloth | ok | 2.000 | 2048 | 8.00 | 10.00 | 1x | 1x |" in table
+    assert (
+        "| 7b | 22.0 | random:4096x1 | peft | oom: OutOfMemoryError: CUDA | - | - | 21.00 | 22.00 | - | 2.20x |"
+        in table
+    )
