@@ -1,0 +1,55 @@
+"""``CausalLMFineTune(kernels=...)``: the switch reaches the model, and what it refuses before any model work."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_blockwise.kernels.liger import liger_kernels_in
+from lightning_blockwise.recipes.finetune import CausalLMFineTune
+from tests.helpers.models import NUM_LAYERS, trainer
+
+
+def test_kernels_liger_installs_the_switch_after_the_adapters(checkpoints: dict[str, Path]) -> None:
+    module = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32", kernels="liger")
+    module.configure_model()
+    assert liger_kernels_in(module.model) == {"rms_norm": 2 * NUM_LAYERS + 1, "rope": NUM_LAYERS, "mlp": NUM_LAYERS}
+    # The MLP's Liger forward calls the adapted linears.
+    mlp = module.model.get_base_model().model.layers[0].mlp
+    assert "lora_A" in dict(mlp.gate_proj.named_children())
+    # Control: the default leaves the model's own layers.
+    plain = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32")
+    plain.configure_model()
+    assert liger_kernels_in(plain.model) == {"rms_norm": 0, "rope": 0, "mlp": 0}
+    assert plain.hparams.kernels is None
+
+
+def test_kernels_liger_on_a_cpu_trainer_is_refused_before_the_base_loads(tmp_path: Path) -> None:
+    # The checkpoint does not exist: the refusal comes before any loading.
+    module = CausalLMFineTune("/no/such/checkpoint", kernels="liger")
+    module.trainer = trainer("auto", default_root_dir=tmp_path)
+    with pytest.raises(MisconfigurationException, match=r"kernels='liger'\) needs a CUDA device.*on cpu"):
+        module.configure_model()
+    # Control: without the switch the same module goes on to load, and fails on the missing checkpoint instead.
+    plain = CausalLMFineTune("/no/such/checkpoint")
+    plain.trainer = trainer("auto", default_root_dir=tmp_path)
+    with pytest.raises(Exception) as loading:
+        plain.configure_model()
+    assert "CUDA" not in str(loading.value)
+
+
+def test_kernels_choices_and_combinations_are_checked_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(MisconfigurationException, match=r"kernels='unsloth'\): choose 'liger' or None"):
+        CausalLMFineTune("/no/such/checkpoint", kernels="unsloth")
+    with pytest.raises(MisconfigurationException, match=r"mlp_tile_tokens=4096\): both replace the MLPs' forward"):
+        CausalLMFineTune("/no/such/checkpoint", kernels="liger", mlp_tile_tokens=4096)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    with pytest.raises(MisconfigurationException, match=r'pip install "lightning-blockwise\[kernels\]"'):
+        CausalLMFineTune("/no/such/checkpoint", kernels="liger")
+    monkeypatch.undo()
+    # Control: each alone is taken.
+    assert CausalLMFineTune("/no/such/checkpoint", kernels="liger").hparams.kernels == "liger"
+    assert CausalLMFineTune("/no/such/checkpoint", mlp_tile_tokens=4096).mlp_tile_tokens == 4096
