@@ -20,7 +20,9 @@ time divided by G, and `h2d_gb_per_step` the bytes of the median optimizer step 
 Arms: `resident` (no checkpointing, the ratio's denominator), `resident_ckpt`, `forward_nograd` (the
 resident model's forward under `torch.no_grad`, timed alone: the recompute floor of a fully
 rematerialized step is (forward_nograd + resident) / resident), and `blockwise:B:D[:BUDGET[:nokeep]]`
-(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`). Arms named `...:timed` in
+(block size, prefetch depth, `vram_budget`; `nokeep` sets `keep_activations=False`). A `+liger` suffix
+(`resident+liger`, `blockwise:1:2+liger`) runs the arm with `use_liger_kernels(model)` on, taken off after it.
+Arms named `...:timed` in
 older results ran the removed `timed_plan=True`; arms named `...:fixed` are the plan every run makes now.
 """
 
@@ -43,6 +45,7 @@ from torch.utils.data import DataLoader
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
+from lightning_blockwise.kernels.liger import unuse_liger_kernels, use_liger_kernels
 from lightning_blockwise.recipes.random_init import random_nf4_model
 
 #: The frozen bases a shape can be built as: NF4 with double quantization, or dense bf16.
@@ -171,6 +174,16 @@ def run_arm(
     seq: int = 512,
     accumulate: int = 1,
 ) -> dict[str, float]:
+    base_arm, *options = arm.split("+")
+    if options == ["liger"]:
+        # Liger-Kernel's layers for this arm only (the model is shared by the arms), resident and blockwise alike.
+        use_liger_kernels(model)
+        try:
+            return run_arm(model, base_arm, steps, warmup, vocab, deterministic, seq, accumulate)
+        finally:
+            unuse_liger_kernels(model)
+    if options:
+        raise SystemExit(f"arm {arm!r}: the one option an arm takes is +liger")
     if arm == "forward_nograd":
         return forward_nograd(model, steps, warmup, vocab, seq)
     if arm == "resident_ckpt":
@@ -235,7 +248,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="resident, resident_ckpt, blockwise:B:D")
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="resident, blockwise:B:D, ...[+liger]")
     parser.add_argument("--bases", nargs="+", default=["nf4"], choices=BASES, help="frozen bases to build (nf4)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (1)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
