@@ -8,7 +8,9 @@ projections, bf16-mixed, batch 1, AdamW, trained through `Trainer.fit`. Arms (na
 - `blockwise`: `BlockwiseStrategy(offload_activations=False)`, default options otherwise;
 - `+offload`: `offload_activations=True` (layer inputs in pinned host memory);
 - `+chunked`: the module's loss is `chunked_causal_lm_loss(chunk_tokens=1024)` instead of Hugging Face's;
-- `+tiled`: the module tiles its MLPs (`tile_mlps(model, 4096)`).
+- `+tiled`: the module tiles its MLPs (`tile_mlps(model, 4096)`);
+- `+liger`: Liger-Kernel's RMSNorm, RoPE and SwiGLU (`use_liger_kernels(model)`, taken off after the arm); with
+  `+tiled` the MLPs keep the tiled forward and Liger's RMSNorm and RoPE go on (`swiglu=False`).
 
 Each arm prints a JSON line: median s/step over the measured steps (after `--warmup`), tokens/s, peak
 allocated and reserved GB over the measured steps, host-to-device and device-to-host GB per step
@@ -43,6 +45,7 @@ from torch.utils.data import DataLoader
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.kernels.liger import unuse_liger_kernels, use_liger_kernels
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps, untile
 
@@ -135,8 +138,12 @@ def run_arm(
         callbacks=[meter], deterministic=det,
     )  # fmt: skip
     row: dict[str, Any] = {"oom": False}
+    module = LongModule(model, chunk, tile)
+    if "liger" in parts:
+        # After the module tiles or untiles the MLPs: a tiled MLP keeps its forward (Liger refuses to replace it).
+        use_liger_kernels(model, swiglu=tile is None)
     try:
-        trainer.fit(LongModule(model, chunk, tile), DataLoader(batches, batch_size=None))
+        trainer.fit(module, DataLoader(batches, batch_size=None))
     except torch.OutOfMemoryError as error:
         row.update(oom=True, error=str(error).splitlines()[0], segments=_segments())
     row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -156,6 +163,7 @@ def run_arm(
         row["predicted_reserved_gb"] = strategy.step_plan.residency.predicted_reserved / 1e9
     if parts[0] == "resident_ckpt":
         model.gradient_checkpointing_disable()
+    unuse_liger_kernels(model)  # the model is shared by the arms
     torch.cuda.empty_cache()
     return row
 
