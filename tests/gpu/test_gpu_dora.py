@@ -102,6 +102,7 @@ def test_factored_norm_deviation_from_peft_in_bf16(d_out: int, d_in: int, rank: 
     nn.init.normal_(lora_a.weight, std=d_in**-0.5)
     nn.init.normal_(lora_b.weight, std=std_b)
     layer = DoraLinearLayer(fan_in_fan_out=False)
+    layer.weight = nn.Parameter(torch.ones(d_out, device="cuda"))  # the magnitude: where the base term is kept
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         weight = dequantize_module_weight(base).to(torch.bfloat16)
         lora_weight = layer.get_lora_weight(lora_A=lora_a, lora_B=lora_b).to(torch.bfloat16)
