@@ -98,10 +98,12 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "gemma2": _Architecture(_GEMMA_FOUR, _GEMMA_NORM, "geglu", _GELU_TANH),
     "gemma3_text": _Architecture((*_GEMMA_FOUR, *_QK), _GEMMA_NORM, "geglu", _GELU_TANH),
 }
+# Gemma 3's multimodal checkpoints (configs/gemma-3-27b.yaml): the language model's layers are gemma3_text's.
+_ARCHITECTURES["gemma3"] = _ARCHITECTURES["gemma3_text"]
 
 #: ``config.model_type`` values :func:`use_liger_kernels` knows: the validated architectures
-#: (``lightning_blockwise.architectures.VALIDATED_MODEL_TYPES``) Liger-Kernel supports. ``qwen3_moe``: RMSNorm and RoPE
-#: only (its experts keep their forward).
+#: (``lightning_blockwise.architectures.VALIDATED_MODEL_TYPES``) Liger-Kernel supports, and Gemma 3's multimodal
+#: ``gemma3`` (its language model). ``qwen3_moe``: RMSNorm and RoPE only (its experts keep their forward).
 LIGER_MODEL_TYPES: frozenset[str] = frozenset(_ARCHITECTURES)
 
 
@@ -250,8 +252,9 @@ def _check_free(module: nn.Module, name: str) -> None:
 
 
 def _activation(config: Any) -> str | None:
-    # Gemma names it `hidden_activation`, the others `hidden_act`.
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    # A multimodal config keeps it in its text config; Gemma names it `hidden_activation`, the others `hidden_act`.
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
 
 
 __all__ = [

@@ -282,3 +282,24 @@ def test_tiled_mlps_are_refused_for_swiglu_and_kept_without_it() -> None:
     layers = model.get_base_model().model.layers
     assert all(isinstance(vars(layer.mlp)["forward"], TiledMLP) for layer in layers)
     assert liger_kernels_in(model)["rope"] == NUM_LAYERS
+
+
+def test_gemma3_multimodal_gets_its_language_model_only() -> None:
+    """configs/gemma-3-27b.yaml's model_type: the language model's layers are gemma3_text's, the vision tower stays."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+        eoi_token_index=298,
+    )  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config)
+    use_liger_kernels(model)
+    assert liger_kernels_in(model) == {"rms_norm": 2 * 6 + 1, "rope": 2, "mlp": 2}
+    assert all(name.startswith("model.language_model.") for name in _instance_forwards(model))
