@@ -1,11 +1,13 @@
 """This package beside transformers + PEFT and Unsloth on one GPU: each arm in its own process, one after another.
 
-On the GPU host, from the repository root (``.whl/`` and ``.peer/`` carried: ``.peer/`` holds copies of
-``../shared/peers/unsloth_probe.py`` and ``peer-env.sh``, ``.whl/peer/`` Unsloth's wheels)::
+On the GPU host, from the repository root, with ``.whl`` and ``.peer`` carried (``.peer/`` holds copies of
+``../shared/peers/unsloth_probe.py`` and ``peer-env.sh``; ``.whl/peer/`` Unsloth's wheels)::
 
-    python -m pip install -q --no-deps .whl/*.whl      # the usual setup; do NOT source .peer/peer-env.sh here
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD           # the usual setup; do NOT source .peer/peer-env.sh here
+    python -m benchmarks.peers --shape 0.5b --tokens 1024 4096 --steps 2 --equal-memory   # a smoke run, minutes
     python -m benchmarks.peers --shape 7b --tokens 4096 16384 32768 --out /tmp/peers/7b.jsonl
-    python -m benchmarks.peers --shape 7b --tokens 32768 49152 65536 --cap-gib 22 --equal-memory \
+    python -m benchmarks.peers --shape 7b --tokens 32768 49152 65536 --rows none --cap-gib 22 --equal-memory \
         --out /tmp/peers/7b-22gib.jsonl
     python -m benchmarks.peers --table /tmp/peers/7b.jsonl /tmp/peers/7b-22gib.jsonl   # for benchmarks/RESULTS.md
 
@@ -28,7 +30,8 @@ Points: ``random:T x 1`` for each ``--tokens`` T (random ids over the vocabulary
 Unsloth gets the two rows as one, see ``peer_arms/unsloth_arm.py``). Each arm builds its model once and runs its
 points shortest first, so an OOM at the longest loses nothing; an OOM is a row (``status: oom``), and so is a
 timeout or a crash. s/step is the median of 5 timed steps after 2 warm-up steps up to 16384 tokens a step, 3 after
-1 beyond (``--steps N``: N everywhere); each row says which. ``--cap-gib`` caps the allocator in every arm's
+1 beyond (``--steps N``: N everywhere); each row says which. tokens/s counts a step's tokens, the padding of a
+``rows:`` batch's shorter row included (``step_tokens_mean``). ``--cap-gib`` caps the allocator in every arm's
 process from its start (``torch.cuda.set_per_process_memory_fraction``). ``--equal-memory`` runs Unsloth first and
 adds ``ours+liger+budget=unsloth``: at each random point, a ``vram_budget`` of Unsloth's peak reserved bytes there.
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.data import DataLoader
 
+from benchmarks.load_benchmark import qwen2_config
 from benchmarks.peer_arms import measure
 from benchmarks.peer_arms.spec import SYSTEM_NAMES, TILE_TOKENS, UNSLOTH_BUDGET, Arm, Point, parse_arm, parse_point
 from benchmarks.step_benchmark import SHAPES, TARGETS
@@ -35,12 +37,18 @@ from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.random_init import random_nf4_model
 
-#: A shape for CPU tests only (not in step_benchmark.SHAPES): two Qwen2 layers, a vocabulary above the byte
-#: tokenizer's 259 ids so the shipped rows fit it.
-TINY = lambda: transformers.Qwen2Config(  # noqa: E731
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=8192,
-)  # fmt: skip
+#: Shapes beside step_benchmark.SHAPES (not added there): ``tiny`` for the CPU tests (two Qwen2 layers, a vocabulary
+#: above the byte tokenizer's 259 ids), ``0.5b`` for a GPU smoke run of every arm in minutes (the Qwen2.5-0.5B shape
+#: load_benchmark.py writes for Unsloth, so both sides train the same shape).
+EXTRA_SHAPES: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "tiny": lambda: transformers.Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=8192,
+    ),
+    "0.5b": lambda: transformers.Qwen2Config(
+        **{k: v for k, v in qwen2_config("0.5b").items() if k not in ("architectures", "model_type", "dtype")}
+    ),
+}  # fmt: skip
 #: The shipped instruction data (packed into rows for the ``rows:`` points).
 DATA = Path(__file__).resolve().parents[2] / "data" / "instructions.jsonl"
 
@@ -93,7 +101,7 @@ def _now(device: torch.device) -> float:
 def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
     """The arm's model, once per process, and the settings it was built with."""
     torch.manual_seed(0)
-    config = TINY() if shape == "tiny" else SHAPES[shape]()
+    config = {**SHAPES, **EXTRA_SHAPES}[shape]()
     model = get_peft_model(random_nf4_model(config, device), LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
     settings: dict[str, Any] = {"lora": "r16 alpha32 dropout0 q,k,v,o,gate,up,down", "base": "random-init NF4"}
     if "liger" in arm.options:
@@ -191,7 +199,7 @@ def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", type=parse_arm, required=True)
-    parser.add_argument("--shape", choices=[*sorted(SHAPES), "tiny"], required=True)
+    parser.add_argument("--shape", choices=sorted({*SHAPES, *EXTRA_SHAPES}), required=True)
     parser.add_argument("--points", nargs="+", type=parse_point, required=True)
     parser.add_argument("--out", type=Path, required=True, help="append one JSON line per point here")
     parser.add_argument("--cap-gib", type=float, default=None)
