@@ -1,24 +1,15 @@
-"""The memory model of a training step: activations, and which blocks a VRAM budget keeps resident."""
+"""The memory model of a training step: which blocks a VRAM budget keeps resident, around the activations.
+
+The activations are :class:`~lightning_blockwise.planning.step_shape.StepShape`'s (re-exported here).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from lightning_blockwise.planning.step_shape import StepShape
 from lightning_blockwise.planning.units import format_gib
 
-#: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
-#: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
-#: through it, with part of a second one (12 fit the 7B-72B H100 peaks in benchmarks/RESULTS.md, but a
-#: Qwen2.5-1.5B step at 4096 tokens, logits-bound, allocated 0.4% over a plan made with 12:
-#: tests/gpu/test_gpu_budget.py; 12.5 covers it).
-_LOGIT_BYTES_PER_ENTRY = 12.5
-#: Hidden-state-sized tensors alive besides the saved inputs: the decoder's output, its gradient,
-#: and a layer's incoming and outgoing gradients.
-_HIDDEN_STATES_ALIVE = 4
-#: The caching allocator rounds every block up (512 B, 2 MiB for large ones); the peak it reports
-#: counts the rounded sizes. Measured peaks were up to 1% above the unrounded sum.
-_ALLOCATOR_ROUNDING = 1.02
 #: The cap a budget sets on the caching allocator over the predicted allocated peak
 #: (NOTE [ A budget is a cap on the card ]).
 ALLOCATOR_HEADROOM_PERCENT = 10
@@ -35,162 +26,6 @@ BLAS_THREADS = 2
 #: One cuBLAS workspace under torch's default on Hopper and later (``CUBLAS_WORKSPACE_CONFIG=:4096:8``);
 #: what ``plan`` assumes, not knowing the card.
 HOPPER_BLAS_WORKSPACE = 8 * 4096 * 2**10
-#: Layer inputs on the device at a time with offload on: the one in use, the next one coming
-#: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
-_INPUTS_IN_FLIGHT = 3
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a training step's activation memory depends on.
-
-    Args:
-        tokens: Tokens per micro-batch (batch size x sequence length), at most.
-        hidden_size: The model's hidden size.
-        intermediate_size: The MLP's inner size.
-        vocab_size: The vocabulary size.
-        num_layers: Decoder layers.
-        activation_bytes: Bytes per activation element (2 under bf16 autocast).
-        offload_inputs: Layer inputs wait for the backward in host memory (not on the device).
-        offloaded_layers: With ``offload_inputs``, how many layers' inputs (the first ones) go to host memory, the
-            rest staying on the device (NOTE [ Split layer inputs ] in residency/activations.py); ``None``: all.
-        loss_chunk_tokens: Rows of logits the module's loss builds at a time
-            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
-            as Hugging Face's loss does.
-        mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
-            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
-        adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
-            holds); assumed when unknown.
-        window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with
-            block-major accumulation (NOTE [ Block-major accumulation ] in replay/block_major.py), else 1.
-    """
-
-    tokens: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    num_layers: int
-    activation_bytes: int = 2
-    offload_inputs: bool = False
-    loss_chunk_tokens: int | None = None
-    mlp_tile_tokens: int | None = None
-    adapter_dropout: bool = True
-    window: int = 1
-    offloaded_layers: int | None = None
-
-    @classmethod
-    def for_config(
-        cls,
-        config: Any,
-        tokens: int,
-        num_layers: int,
-        activation_bytes: int = 2,
-        offload_inputs: bool = False,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
-        adapter_dropout: bool = True,
-        window: int = 1,
-        offloaded_layers: int | None = None,
-    ) -> StepShape:
-        """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
-
-        Args:
-            config: The model's ``PretrainedConfig``.
-            tokens: Tokens per micro-batch.
-            num_layers: Decoder layers.
-            activation_bytes: Bytes per activation element (the LM head's element size).
-            offload_inputs: Layer inputs wait for the backward in host memory.
-            loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
-            mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
-            adapter_dropout: The adapters apply dropout to their inputs.
-            window: Micro-batches whose layer inputs are saved at once (block-major accumulation).
-            offloaded_layers: With ``offload_inputs``, the layers whose inputs go to host memory (``None``: all).
-        """
-        config = getattr(config, "text_config", None) or config
-        return cls(
-            tokens=tokens,
-            hidden_size=config.hidden_size,
-            intermediate_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
-            vocab_size=config.vocab_size,
-            num_layers=num_layers,
-            activation_bytes=activation_bytes,
-            offload_inputs=offload_inputs,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
-            adapter_dropout=adapter_dropout,
-            window=window,
-            offloaded_layers=offloaded_layers,
-        )
-
-    def activation_peak(self) -> int:
-        """Predicted activation bytes at the step's peak.
-
-        Saved layer inputs (one tensor per layer between forward and backward, or the few in
-        flight when they wait in host memory), plus the larger of two working sets that are
-        never alive together: the loss's logits and their gradients (``loss_chunk_tokens`` rows
-        at a time with a chunked loss), which are freed before the decoder's backward starts,
-        and one layer's recompute graph with the dequantized weight of its largest projection
-        (while a layer's backward runs).
-        """
-        host = self.host_inputs()
-        saved_inputs = self.num_layers - host + min(host, _INPUTS_IN_FLIGHT)
-        saved_inputs *= self.input_bytes() * self.window
-        rows = self.tokens if self.loss_chunk_tokens is None else min(self.tokens, self.loss_chunk_tokens)
-        logits = int(rows * self.vocab_size * _LOGIT_BYTES_PER_ENTRY)
-        dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
-        # The decoder's last hidden states and the gradients flowing through the stack, alive throughout.
-        through = _HIDDEN_STATES_ALIVE * self.input_bytes()
-        # Block-major: the other micro-batches' decoder outputs, and their gradients waiting for the window's backward.
-        through += 2 * (self.window - 1) * self.input_bytes()
-        peak = saved_inputs + through + max(logits, self.layer_working_set() + dequantized)
-        return int(peak * _ALLOCATOR_ROUNDING)
-
-    def layer_working_set(self) -> int:
-        """Predicted bytes one layer's recompute and backward add at their peak (without the dequantized weight).
-
-        The MLP's intermediates and their gradients, six ``tokens x intermediate`` tensors, and five
-        hidden-state-sized ones of attention and the norms, beyond the hidden states and gradients
-        :meth:`activation_peak` counts throughout. Fitted on the H100 (``benchmarks/memory_peak.py``:
-        at 7B and 16k tokens the step's peak holds six MLP-sized and twelve hidden-sized bf16
-        equivalents; one layer alone, ``benchmarks/layer_working_set.py``, 302/439/524 KB per token at
-        7B/32B/72B). With tiled MLPs the MLP's part is one tile's, and the tiles' saved inputs,
-        concatenated outputs and their gradients add five hidden-sized tensors (NOTE [ Tiled MLP ]).
-        """
-        if self.mlp_tile_tokens is None or self.mlp_tile_tokens >= self.tokens:
-            hidden, mlp_tokens = 5, self.tokens  # a step within one tile runs the MLP untiled (TiledMLP)
-        else:
-            hidden, mlp_tokens = 10, self.mlp_tile_tokens
-        per_token = hidden * self.tokens * self.hidden_size + 6 * mlp_tokens * self.intermediate_size
-        return per_token * self.activation_bytes
-
-    def input_bytes(self) -> int:
-        """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""
-        return self.tokens * self.hidden_size * self.activation_bytes
-
-    def host_inputs(self) -> int:
-        """Layers whose inputs wait for the backward in host memory."""
-        if not self.offload_inputs:
-            return 0
-        return self.num_layers if self.offloaded_layers is None else min(self.offloaded_layers, self.num_layers)
-
-    def offloaded_host_bytes(self) -> int:
-        """Host bytes the saved layer inputs take with offload on (every offloaded layer's input at once), else 0."""
-        return self.host_inputs() * self.input_bytes()
-
-    def layer_graph(self) -> int:
-        """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).
-
-        Eight hidden-sized and four MLP-sized tensors per token, and with adapter dropout six
-        hidden-sized and one MLP-sized more (each adapter keeps its dropped-out input): resident
-        training without checkpointing measured 192 and 203 KB per token and layer at the Qwen2.5-7B
-        shape without dropout (2048 and 4096 tokens, H100, LoRA r16 on all seven projections;
-        ``benchmarks/results/h100_long_context.jsonl``), 209 predicted; kept layers of the Qwen2.5-32B
-        shape with dropout 0.05 about 387 (``benchmarks/card_check.py``, 1024 tokens), 420 predicted.
-        """
-        hidden, mlp = (14, 5) if self.adapter_dropout else (8, 4)
-        graph = self.tokens * (hidden * self.hidden_size + mlp * self.intermediate_size) * self.activation_bytes
-        # Rounded as the allocator rounds (a 1.5B run with kept blocks allocated 0.4% above the unrounded sum).
-        return int(graph * _ALLOCATOR_ROUNDING)
 
 
 # NOTE [ A budget is a cap on the card ]

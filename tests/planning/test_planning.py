@@ -108,11 +108,26 @@ def test_parse_bytes_refuses_sizes_that_are_not_positive_finite_counts(value: ob
         parse_bytes(value)  # type: ignore[arg-type]
 
 
-def test_a_tiled_mlp_keeps_one_tile_of_intermediates_and_adds_hidden_states() -> None:
+def test_a_tiled_mlp_keeps_one_tile_of_intermediates_and_adds_a_hidden_state() -> None:
     def shape(tile: int | None) -> StepShape:
         return StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=5,
                          mlp_tile_tokens=tile)  # fmt: skip
 
-    assert shape(None).layer_working_set() == 512 * (5 * 8 + 6 * 16) * 2
-    assert shape(64).layer_working_set() == (10 * 512 * 8 + 6 * 64 * 16) * 2
-    assert shape(4096).layer_working_set() == shape(None).layer_working_set()  # within one tile: untiled
+    assert shape(None).mlp_working_set() == 512 * (5 * 8 + 6 * 16) * 2
+    assert shape(64).mlp_working_set() == (6 * 512 * 8 + 6 * 64 * 16) * 2
+    assert shape(4096).mlp_working_set() == shape(None).mlp_working_set()  # within one tile: untiled
+
+
+def test_a_layer_peaks_at_the_larger_of_the_mlp_and_the_norm_backward() -> None:
+    """NOTE [ A layer's backward peak ]: 15 hidden-sized bf16 equivalents and keys and values at the norm."""
+
+    def shape(tile: int | None, kv_size: int | None = 4) -> StepShape:
+        return StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=5,
+                         mlp_tile_tokens=tile, kv_size=kv_size)  # fmt: skip
+
+    dequantized = 2 * 8 * 16 * 2
+    assert shape(None).norm_working_set() == (15 * 512 * 8 + 2 * 512 * 4) * 2
+    assert shape(None, kv_size=None).norm_working_set() == (15 * 512 * 8 + 2 * 512 * 8) * 2  # no GQA: kv = hidden
+    # Untiled, the MLP's six intermediates bind; tiled by 64 tokens, the norm does.
+    assert shape(None).layer_working_set() == shape(None).mlp_working_set() + dequantized
+    assert shape(64).mlp_working_set() + dequantized < shape(64).norm_working_set() == shape(64).layer_working_set()

@@ -1,0 +1,237 @@
+"""What a training step's activations take: the step's shape and the memory model of one step.
+
+:class:`StepShape` is what activation memory depends on (tokens, sizes, the long-context options);
+its methods give the predicted peak, a layer's working set and its graph. Pure arithmetic, fitted on and
+checked against H100 measurements (``tests/planning/test_calibration.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
+#: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
+#: through it, with part of a second one (12 fit the 7B-72B H100 peaks in benchmarks/RESULTS.md, but a
+#: Qwen2.5-1.5B step at 4096 tokens, logits-bound, allocated 0.4% over a plan made with 12:
+#: tests/gpu/test_gpu_budget.py; 12.5 covers it).
+_LOGIT_BYTES_PER_ENTRY = 12.5
+#: The same for a chunk of :func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`, which keeps no bf16
+#: logits for the outputs: its fp32 upcast, log-softmax's output and the gradients through them. The three H100 points
+#: whose peak is a 4096-row chunk measured 10.5-11.4 B per entry; 12.5 over-predicted one of them by 11%.
+_CHUNK_LOGIT_BYTES_PER_ENTRY = 12
+#: Hidden-state-sized tensors alive besides the saved inputs: the decoder's output, its gradient,
+#: and a layer's incoming and outgoing gradients.
+_HIDDEN_STATES_ALIVE = 4
+#: The caching allocator rounds every block up (512 B, 2 MiB for large ones); the peak it reports
+#: counts the rounded sizes. Measured peaks were up to 1% above the unrounded sum.
+_ALLOCATOR_ROUNDING = 1.02
+#: Layer inputs on the device at a time with offload on: the one in use, the next one coming
+#: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
+_INPUTS_IN_FLIGHT = 3
+#: Hidden-state-sized bf16 equivalents at the post-attention norm's backward, beyond the inputs and the hidden
+#: states alive throughout (NOTE [ A layer's backward peak ]).
+_NORM_PEAK_HIDDEN = 15
+
+
+# NOTE [ A layer's backward peak ]
+# A rematerialized layer's backward has two peaks. In the MLP's backward, its intermediates
+# (tokens x intermediate each) dominate, so untiled that is where a long step peaks. With the MLP
+# tiled they shrink to one tile's, and the peak moves to the post-attention RMSNorm's backward,
+# which scales with tokens x hidden alone. Measured there (H100, Qwen2.5-7B shape, offload, chunked
+# loss, tiled MLP, 32k and 131k tokens; the allocator's history replayed to the step's peak): seven
+# fp32 and seven bf16 hidden-sized tensors, and attention's keys and values. fp32: both norms' saved
+# upcasts of their inputs (``hidden_states.to(torch.float32)``, saved by ``pow`` and the product
+# with ``rsqrt``) and five temporaries of the norm's backward (the upcast gradient, its product
+# with ``rsqrt``, the mean's expanded gradient, ``pow``'s backward). bf16: the layer's input, the
+# next one coming back, the incoming gradient, attention's saved normed input, rotated queries and
+# output, and the norm's gradient. That is 21 bf16 equivalents beside the inputs; the model counts
+# 15 beyond the inputs and the four hidden states it keeps throughout (the incoming gradient is one
+# of them), with offload 22 in all: one over, the slot of an input being copied out, which only the
+# forward uses. The plan of 131k tokens that missed this was 13% under (19.68 GB against 22.26).
+# Two norms per layer is Llama-style; an architecture with more (Gemma 2/3 have four) keeps more
+# fp32 copies alive and has not been measured here.
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a training step's activation memory depends on.
+
+    Args:
+        tokens: Tokens per micro-batch (batch size x sequence length), at most.
+        hidden_size: The model's hidden size.
+        intermediate_size: The MLP's inner size.
+        vocab_size: The vocabulary size.
+        num_layers: Decoder layers.
+        activation_bytes: Bytes per activation element (2 under bf16 autocast).
+        offload_inputs: Layer inputs wait for the backward in host memory (not on the device).
+        offloaded_layers: With ``offload_inputs``, how many layers' inputs (the first ones) go to host memory, the
+            rest staying on the device (NOTE [ Split layer inputs ] in residency/activations.py); ``None``: all.
+        loss_chunk_tokens: Rows of logits the module's loss builds at a time
+            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
+            as Hugging Face's loss does.
+        mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
+            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
+        adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
+            holds); assumed when unknown.
+        window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with
+            block-major accumulation (NOTE [ Block-major accumulation ] in replay/block_major.py), else 1.
+        kv_size: Elements per token of attention's keys (and of its values): key-value heads x head size;
+            ``None``: ``hidden_size`` (no grouped-query attention).
+    """
+
+    tokens: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int
+    activation_bytes: int = 2
+    offload_inputs: bool = False
+    loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
+    adapter_dropout: bool = True
+    window: int = 1
+    offloaded_layers: int | None = None
+    kv_size: int | None = None
+
+    @classmethod
+    def for_config(
+        cls,
+        config: Any,
+        tokens: int,
+        num_layers: int,
+        activation_bytes: int = 2,
+        offload_inputs: bool = False,
+        loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
+        adapter_dropout: bool = True,
+        window: int = 1,
+        offloaded_layers: int | None = None,
+    ) -> StepShape:
+        """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
+
+        Args:
+            config: The model's ``PretrainedConfig``.
+            tokens: Tokens per micro-batch.
+            num_layers: Decoder layers.
+            activation_bytes: Bytes per activation element (the LM head's element size).
+            offload_inputs: Layer inputs wait for the backward in host memory.
+            loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
+            mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
+            adapter_dropout: The adapters apply dropout to their inputs.
+            window: Micro-batches whose layer inputs are saved at once (block-major accumulation).
+            offloaded_layers: With ``offload_inputs``, the layers whose inputs go to host memory (``None``: all).
+        """
+        config = getattr(config, "text_config", None) or config
+        heads = getattr(config, "num_attention_heads", None)
+        head_size = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(
+            tokens=tokens,
+            hidden_size=config.hidden_size,
+            intermediate_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
+            vocab_size=config.vocab_size,
+            num_layers=num_layers,
+            activation_bytes=activation_bytes,
+            offload_inputs=offload_inputs,
+            loss_chunk_tokens=loss_chunk_tokens,
+            mlp_tile_tokens=mlp_tile_tokens,
+            adapter_dropout=adapter_dropout,
+            window=window,
+            offloaded_layers=offloaded_layers,
+            kv_size=kv_heads * head_size if kv_heads and head_size else None,
+        )
+
+    def activation_peak(self) -> int:
+        """Predicted activation bytes at the step's peak.
+
+        Saved layer inputs (one tensor per layer between forward and backward, or the few in
+        flight when they wait in host memory), hidden states alive throughout, plus the larger of
+        two working sets that are never alive together: the loss's logits and their gradients
+        (``loss_chunk_tokens`` rows at a time with a chunked loss), which are freed before the
+        decoder's backward starts, and one layer's recompute and backward (:meth:`layer_working_set`).
+        """
+        host = self.host_inputs()
+        saved_inputs = self.num_layers - host + min(host, _INPUTS_IN_FLIGHT)
+        saved_inputs *= self.input_bytes() * self.window
+        if self.loss_chunk_tokens is None:
+            logits = int(self.tokens * self.vocab_size * _LOGIT_BYTES_PER_ENTRY)
+        else:
+            logits = min(self.tokens, self.loss_chunk_tokens) * self.vocab_size * _CHUNK_LOGIT_BYTES_PER_ENTRY
+        # The decoder's last hidden states and the gradients flowing through the stack, alive throughout.
+        through = _HIDDEN_STATES_ALIVE * self.input_bytes()
+        # Block-major: the other micro-batches' decoder outputs, and their gradients waiting for the window's backward.
+        through += 2 * (self.window - 1) * self.input_bytes()
+        peak = saved_inputs + through + max(logits, self.layer_working_set())
+        return int(peak * _ALLOCATOR_ROUNDING)
+
+    def layer_working_set(self) -> int:
+        """Predicted bytes one layer's recompute and backward add at their peak, beyond the inputs and hidden states.
+
+        The larger of its two peaks (NOTE [ A layer's backward peak ]): the MLP's backward
+        (:meth:`mlp_working_set`, with the dequantized weight of its largest projection) and the
+        post-attention norm's backward (:meth:`norm_working_set`).
+        """
+        dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
+        return max(self.mlp_working_set() + dequantized, self.norm_working_set())
+
+    def mlp_working_set(self) -> int:
+        """Bytes at the MLP's backward in a layer's recompute (without the dequantized weight).
+
+        The MLP's intermediates and their gradients, six ``tokens x intermediate`` tensors, and five
+        hidden-state-sized ones of attention and the norms, beyond the hidden states and gradients
+        :meth:`activation_peak` counts throughout. Fitted on the H100 (``benchmarks/memory_peak.py``:
+        at 7B and 16k tokens the step's peak holds six MLP-sized and twelve hidden-sized bf16
+        equivalents; one layer alone, ``benchmarks/layer_working_set.py``, 302/439/524 KB per token at
+        7B/32B/72B). With tiled MLPs the MLP's part is one tile's, and the tiles' input gradients,
+        held until the last tile's backward is done, add one hidden-sized tensor (NOTE [ Tiled MLP ]):
+        ten, counted before, over-predicted the tiled H100 points by 11-16%.
+        """
+        if self.mlp_tile_tokens is None or self.mlp_tile_tokens >= self.tokens:
+            hidden, mlp_tokens = 5, self.tokens  # a step within one tile runs the MLP untiled (TiledMLP)
+        else:
+            hidden, mlp_tokens = 6, self.mlp_tile_tokens
+        per_token = hidden * self.tokens * self.hidden_size + 6 * mlp_tokens * self.intermediate_size
+        return per_token * self.activation_bytes
+
+    def norm_working_set(self) -> int:
+        """Bytes at the post-attention norm's backward in a layer's recompute (NOTE [ A layer's backward peak ]).
+
+        Fifteen hidden-state-sized bf16 equivalents and attention's keys and values, beyond the hidden states
+        :meth:`activation_peak` counts throughout: what binds at long context once the MLP is tiled.
+        """
+        kv_size = self.hidden_size if self.kv_size is None else self.kv_size
+        hidden = _NORM_PEAK_HIDDEN * self.tokens * self.hidden_size
+        return (hidden + 2 * self.tokens * kv_size) * self.activation_bytes
+
+    def input_bytes(self) -> int:
+        """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""
+        return self.tokens * self.hidden_size * self.activation_bytes
+
+    def host_inputs(self) -> int:
+        """Layers whose inputs wait for the backward in host memory."""
+        if not self.offload_inputs:
+            return 0
+        return self.num_layers if self.offloaded_layers is None else min(self.offloaded_layers, self.num_layers)
+
+    def offloaded_host_bytes(self) -> int:
+        """Host bytes the saved layer inputs take with offload on (every offloaded layer's input at once), else 0."""
+        return self.host_inputs() * self.input_bytes()
+
+    def layer_graph(self) -> int:
+        """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).
+
+        Eight hidden-sized and four MLP-sized tensors per token, and with adapter dropout six
+        hidden-sized and one MLP-sized more (each adapter keeps its dropped-out input): resident
+        training without checkpointing measured 192 and 203 KB per token and layer at the Qwen2.5-7B
+        shape without dropout (2048 and 4096 tokens, H100, LoRA r16 on all seven projections;
+        ``benchmarks/results/h100_long_context.jsonl``), 209 predicted; kept layers of the Qwen2.5-32B
+        shape with dropout 0.05 about 387 (``benchmarks/card_check.py``, 1024 tokens), 420 predicted.
+        """
+        hidden, mlp = (14, 5) if self.adapter_dropout else (8, 4)
+        graph = self.tokens * (hidden * self.hidden_size + mlp * self.intermediate_size) * self.activation_bytes
+        # Rounded as the allocator rounds (a 1.5B run with kept blocks allocated 0.4% above the unrounded sum).
+        return int(graph * _ALLOCATOR_ROUNDING)
+
+
+__all__ = ["StepShape"]
