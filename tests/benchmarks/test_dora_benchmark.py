@@ -78,8 +78,9 @@ def test_out_of_memory_is_a_result_and_the_next_arm_runs(
 
     # PEFT's dense norm runs out of memory; the factored norm (an instance's forward) does not call it.
     monkeypatch.setattr(DoraLinearLayer, "forward", out_of_memory)
-    rows = dora.main([*TINY_RUN, "--base", "device", "--ranks", "4", "--arms", "dora_dense", "dora_factored", "lora"])
-    dense, factored, lora = rows
+    arms = ["--arms", "dora_dense", "dora_factored", "lora", "--targets", "q_proj", "v_proj", "down_proj"]
+    dense, factored, lora = dora.main([*TINY_RUN, "--base", "device", "--ranks", "4", *arms])
+    assert factored["factored_modules"] == 2 * 3 and factored["targets"] == ["q_proj", "v_proj", "down_proj"]
     assert dense["status"] == "oom" and "(fake)" in dense["error"]
     assert dense["s_per_step"] is None and dense["tokens_per_s"] is None
     assert dense["peak_scope"] == "until out of memory"
@@ -142,7 +143,7 @@ def test_magnitudes_computed_elsewhere_are_peft_s() -> None:
 
 
 def test_estimate_flags_points_over_the_cap(capsys: pytest.CaptureFixture[str]) -> None:
-    args = argparse.Namespace(ranks=[4, 8], arms=list(dora.ARMS), seq=16, steps=2, warmup=1)
+    args = argparse.Namespace(ranks=[4, 8], arms=list(dora.ARMS), targets=dora.TARGETS, seq=16, steps=2, warmup=1)
     assert dora.estimate(dora.tiny(), args, cap=None) > 0
     assert "expect OOM" not in capsys.readouterr().out
     dora.estimate(dora.tiny(), args, cap=1)
