@@ -72,6 +72,8 @@ class RematLayer:
         params: Its trainable parameters (the adapters).
         residency: Makes the layer's frozen tensors usable while it runs.
         offload: Where the layer's input waits for the backward; ``None`` keeps it on the device.
+        to_host: With an ``offload``, whether the input goes to host memory (else it is kept on the device, on the
+            offload's stack: NOTE [ Split layer inputs ] in residency/activations.py).
         keep: Keep the forward's graph to the backward instead of recomputing it (a layer of a
             streamed block whose activations fit the budget: NOTE [ Kept graphs of streamed blocks ]
             in kept.py).
@@ -85,12 +87,14 @@ class RematLayer:
         residency: Residency,
         offload: ActivationOffload | None = None,
         keep: bool = False,
+        to_host: bool = True,
     ) -> None:
         self.layer = layer
         self.index = index
         self.params = tuple(params)
         self.residency = residency
         self.offload = offload
+        self.to_host = to_host
         self.keep = keep
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
@@ -169,8 +173,10 @@ class _RematFunction(torch.autograd.Function):
         ctx.offload = remat.offload
         if ctx.offload is None:
             ctx.save_for_backward(hidden)
-        else:
+        elif remat.to_host:
             ctx.saved_input = ctx.offload.save(hidden)
+        else:
+            ctx.saved_input = ctx.offload.keep(hidden)
         return output
 
     @staticmethod
@@ -237,8 +243,12 @@ def install(
     residency: Residency,
     offload: ActivationOffload | None = None,
     keep: Collection[int] = (),
+    to_host: Collection[int] | None = None,
 ) -> None:
     """Install a :class:`RematLayer` as the ``forward`` of each layer, in place; those in ``keep`` keep their graphs.
+
+    With an ``offload``, the inputs of the layers in ``to_host`` (``None``: all) wait in host memory, the
+    others on the device (NOTE [ Split layer inputs ] in residency/activations.py).
 
     Parameter names, ``state_dict`` keys and the layer classes are unchanged; only the
     instances get a ``forward`` attribute (removed by :func:`uninstall`). Hugging Face's own
@@ -247,7 +257,8 @@ def install(
     """
     for index, (layer, layer_params) in enumerate(zip(layers, params, strict=True)):
         uninstall([layer])
-        layer.forward = RematLayer(layer, index, layer_params, residency, offload, keep=index in keep)
+        host = to_host is None or index in to_host
+        layer.forward = RematLayer(layer, index, layer_params, residency, offload, keep=index in keep, to_host=host)
         layer.gradient_checkpointing = False
 
 

@@ -44,6 +44,20 @@ from lightning_blockwise.residency.arena import HostArena
 #
 # Inputs that are not contiguous stay on the device (a contiguous copy could change the
 # kernels the recompute picks); ``stats.kept_on_device`` counts them.
+#
+# NOTE [ Split layer inputs ]
+# Host RAM can bind before the card does (the 72B shape at 64k tokens saves 86 GB of inputs beside a
+# 36 GB arena), so the inputs may be split: those of the first ``m`` layers go to host slabs
+# (``save``), the rest stay on the device (``keep``), and only ``m`` slabs are allocated. The first
+# layers, not the last, go to the host because the two passes meet at the top of the stack: the
+# forward saves the first layers' inputs earliest, so their device-to-host copies have the rest of
+# the forward, the head and the loss to finish behind; the backward starts with the layers whose
+# inputs never left the device, so nothing waits for a copy back at the turn (offloading the last
+# layers would copy an input out and at once back in), and the host inputs come back last, when
+# the device inputs above them have been freed. Kept inputs sit on the same stack as the offloaded
+# ones: taking back the lowest kept input (layer ``m``'s) starts the copy back of layer ``m - 1``'s,
+# one layer ahead as everywhere else. A kept input is checked, when it is taken back, for in-place
+# changes since the forward, as autograd checks a tensor saved with ``save_for_backward``.
 
 
 @dataclass
@@ -53,19 +67,32 @@ class OffloadStats:
     saved: int = 0
     device_to_host_bytes: int = 0
     host_to_device_bytes: int = 0
+    #: Inputs saved on the device: kept by a split (NOTE [ Split layer inputs ]) or not contiguous.
     kept_on_device: int = 0
 
 
 class SavedInput:
-    """One layer input saved for the backward: in a host slab, or (not contiguous) still on the device."""
+    """One layer input saved for the backward: in a host slab, or still on the device (kept, or not contiguous)."""
 
-    __slots__ = ("__weakref__", "_device", "_fetched", "_fetched_event", "_host", "_pool", "_slab", "_stored")
+    __slots__ = (
+        "__weakref__",
+        "_device",
+        "_fetched",
+        "_fetched_event",
+        "_host",
+        "_pool",
+        "_slab",
+        "_stored",
+        "_version",
+    )
 
     def __init__(self, pool: ActivationOffload, slab: Tensor | None, host: Tensor | None, device: Tensor | None):
         self._pool = pool
         self._slab = slab
         self._host = host
         self._device = device
+        # What autograd's saved tensors check: an input kept on the device must not change before the backward.
+        self._version = device._version if device is not None else 0
         self._stored: torch.cuda.Event | None = None
         self._fetched: Tensor | None = None
         self._fetched_event: torch.cuda.Event | None = None
@@ -79,6 +106,11 @@ class SavedInput:
     def pending(self) -> bool:
         """Whether the input waits in host memory and its copy back has not started."""
         return self._slab is not None and self._fetched is None
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the input still waits for the backward and nothing has started bringing it back."""
+        return self._device is not None or self.pending
 
     def __del__(self) -> None:
         # A graph dropped without its backward (an exception, a loss never differentiated) gives its slab back.
@@ -98,9 +130,12 @@ class ActivationOffload:
     allocations of ``num_layers`` slabs each, so host memory is exact-size, page-locked on CUDA,
     and refused before allocation when the host RAM is short.
 
+    Inputs may also be kept on the device (:meth:`keep`, NOTE [ Split layer inputs ]): they take no slab
+    and wait on the same stack, so the backward's prefetch runs across both.
+
     Args:
         device: The compute device.
-        num_layers: Layers whose inputs a step saves (slabs allocated at a time).
+        num_layers: Layer inputs a step saves in host memory (slabs allocated at a time).
         slab_bytes: Bytes of one slab: the largest input to expect (tokens x hidden x element size).
         pin: Page-lock the slabs (a CUDA device).
     """
@@ -158,11 +193,20 @@ class ActivationOffload:
         stats, self.stats = self.stats, OffloadStats()
         return stats
 
+    def keep(self, hidden: Tensor) -> SavedInput:
+        """Keep ``hidden`` on the device for the backward, on the stack of saved inputs.
+
+        See NOTE [ Split layer inputs ].
+        """
+        self.stats.kept_on_device += 1
+        saved = SavedInput(self, None, None, hidden)
+        self._push(saved)
+        return saved
+
     def save(self, hidden: Tensor) -> SavedInput:
         """Start copying ``hidden`` to host memory; the caller drops its own reference to it."""
         if not hidden.is_contiguous():
-            self.stats.kept_on_device += 1
-            return SavedInput(self, None, None, hidden)
+            return self.keep(hidden)
         nbytes = hidden.numel() * hidden.element_size()
         if nbytes > self.slab_bytes:
             self.reserve(nbytes)
@@ -175,20 +219,48 @@ class ActivationOffload:
         if self._cuda:
             # The caching allocator must not hand `hidden`'s memory out before the copy has read it.
             hidden.record_stream(self._to_host)
-        if len(self._live) >= self._prune_at:
-            # Handles of graphs dropped without their backward, or taken out of order.
-            self._live = [ref for ref in self._live if (held := ref()) is not None and held.pending]
-            self._prune_at = max(self.num_layers, 2 * len(self._live))
-        self._live.append(weakref.ref(saved))
+        self._push(saved)
         self.stats.saved += 1
         self.stats.device_to_host_bytes += nbytes
         return saved
 
+    def _push(self, saved: SavedInput) -> None:
+        if len(self._live) >= self._prune_at:
+            # Handles of graphs dropped without their backward, or taken out of order.
+            self._live = [ref for ref in self._live if (held := ref()) is not None and held.waiting]
+            self._prune_at = max(self.num_layers, 2 * len(self._live))
+        self._live.append(weakref.ref(saved))
+
     def load(self, saved: SavedInput) -> Tensor:
-        """The saved input on the device; starts bringing back the input saved before it."""
+        """The saved input on the device; starts bringing back the input saved before it.
+
+        Raises:
+            RuntimeError: If an input kept on the device was modified in place since it was saved.
+        """
         if saved._device is not None:
             hidden, saved._device = saved._device, None
-            return hidden
+            if hidden._version != saved._version:
+                raise RuntimeError(
+                    f"BlockwiseStrategy: a layer input kept on the device for the backward was modified in place"
+                    f" after the forward (version {saved._version}, now {hidden._version}); the recompute would read"
+                    " other values than the forward did. Do not modify decoder hidden states in place."
+                )
+        else:
+            hidden = self._take_back(saved)
+        # NOTE [ Layer-input offload ]: the backward runs the layers in reverse, so the input saved last
+        # among those still waiting is the next one needed: brought back now if it is in host memory, taken
+        # as it is if it was kept on the device (its own load goes on from there: NOTE [ Split layer inputs ]).
+        while self._live:
+            following = self._live[-1]()
+            if following is not None and following.waiting:
+                if following.pending:
+                    self._fetch(following)
+                break
+            self._live.pop()
+        return hidden
+
+    def _take_back(self, saved: SavedInput) -> Tensor:
+        """The input of a host slab on the device, its slab given back."""
         if saved._fetched is None:
             self._fetch(saved)
         hidden, event = saved._fetched, saved._fetched_event
@@ -201,14 +273,6 @@ class ActivationOffload:
         if saved._slab is not None:
             self._give(saved._slab, stored, event)
             saved._slab = None
-        # NOTE [ Layer-input offload ]: the backward runs the layers in reverse, so the input saved last
-        # among those still held is the next one needed.
-        while self._live:
-            following = self._live[-1]()
-            if following is not None and following.pending:
-                self._fetch(following)
-                break
-            self._live.pop()
         return hidden
 
     def close(self) -> None:

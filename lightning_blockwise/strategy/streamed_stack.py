@@ -43,6 +43,9 @@ class StreamedStack:
         kept: Blocks whose layers keep their graphs from the forward to the backward instead of
             recomputing them (NOTE [ Kept activations ] in planning/memory.py): resident ones run
             with plain autograd, streamed ones through :class:`~lightning_blockwise.replay.kept.KeptFunction`.
+        offloaded_layers: With offload on (:meth:`offload_inputs`), how many layers, the first ones, save their
+            inputs in host memory; the others keep them on the device (NOTE [ Split layer inputs ] in
+            residency/activations.py). ``None``: every layer.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class StreamedStack:
         prefetch_depth: int,
         resident: Iterable[int] = (),
         kept: Iterable[int] = (),
+        offloaded_layers: int | None = None,
     ) -> None:
         self.layers = list(layers)
         self.plan = plan
@@ -62,6 +66,10 @@ class StreamedStack:
         self.prefetch_depth = prefetch_depth
         self.resident = tuple(sorted(resident))
         self.kept = tuple(sorted(kept))
+        n = len(self.layers)
+        self.offloaded_layers = n if offloaded_layers is None else offloaded_layers
+        if not 0 <= self.offloaded_layers <= n:
+            raise ValueError(f"offloaded_layers={offloaded_layers} must be between 0 and the {n} decoder layers.")
         #: Kept layers whose Hugging Face gradient checkpointing was on, switched off while kept; put back at close.
         self._checkpointing_off: list[nn.Module] = []
         self._observer = StreamObserver()
@@ -86,7 +94,10 @@ class StreamedStack:
         """
         assert self.streamer is not None
         streamed_kept = {i for block in self.kept if block not in self.resident for i in self.plan.layers_of(block)}
-        remat.install(self.layers, self._layer_params(), self.streamer, self.offload, keep=streamed_kept)
+        to_host = range(self.offloaded_layers)
+        remat.install(
+            self.layers, self._layer_params(), self.streamer, self.offload, keep=streamed_kept, to_host=to_host
+        )
         # NOTE [ Kept activations ] in planning/memory.py: a resident block never moves, so plain autograd is safe.
         kept = [self.layers[i] for block in self.kept if block in self.resident for i in self.plan.layers_of(block)]
         remat.uninstall(kept)
@@ -100,17 +111,18 @@ class StreamedStack:
     def offload_inputs(self, slab_bytes: int | None) -> None:
         """Keep layer inputs in host slabs of ``slab_bytes`` between forward and backward; ``None``: on the device.
 
-        Turning it on allocates a slab per layer at once (refused before allocation when the host
-        RAM is short); raising ``slab_bytes`` later allocates larger ones
+        Turning it on allocates a slab per offloaded layer at once (:attr:`offloaded_layers`; refused before
+        allocation when the host RAM is short); raising ``slab_bytes`` later allocates larger ones
         (NOTE [ Layer-input offload ] in residency/activations.py).
         """
-        if slab_bytes is None:
+        if slab_bytes is None or self.offloaded_layers == 0:
+            # Nothing to offload: every input saved with the layer's graph, as without offload.
             if self.offload is not None:
                 self.offload.close()
                 self.offload = None
         elif self.offload is None:
             pin = self.device.type == "cuda"
-            self.offload = ActivationOffload(self.device, len(self.layers), slab_bytes, pin=pin)
+            self.offload = ActivationOffload(self.device, self.offloaded_layers, slab_bytes, pin=pin)
         else:
             self.offload.reserve(slab_bytes)
         if self.streamer is not None:
