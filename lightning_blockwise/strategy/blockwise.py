@@ -39,6 +39,7 @@ from lightning_blockwise.strategy.options import (
     CARD,
     budget_bytes,
     check_options,
+    offload_split,
     refuse_compiled,
     refuse_cpu_eval_mode_4bit,
 )
@@ -91,6 +92,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         offload_activations: Keep each layer's saved input in pinned host memory between forward and
             backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None`` turns it on
             when the step would not fit without it (the budget, else the device), ``True``/``False`` force it.
+            An integer ``m`` offloads the first ``m`` layers' inputs and keeps the rest on the device (host RAM
+            short of every layer's input: NOTE [ Split layer inputs ]).
         keep_activations: With a ``vram_budget``, blocks whose slabs and layers' autograd graphs fit it stay on the
             device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
             keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
@@ -122,7 +125,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
 
     Raises:
         MisconfigurationException: If ``block_size``, ``prefetch_depth`` or ``budget_tokens`` is not an integer
-            of at least 1, ``vram_budget`` is not a positive size, ``offload_activations`` is not a bool or ``None``,
+            of at least 1, ``vram_budget`` is not a positive size, ``offload_activations`` is not a bool, ``None``
+            or a count of layers (at most the model's, checked at setup),
             a bool option (``save_frozen_base``, ``allow_unvalidated``, ...) is not a bool, or ``device`` is a GPU
             and CUDA is not available.
 
@@ -141,7 +145,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         prefetch_depth: int = 2,
         vram_budget: int | str | None = CARD,
         budget_tokens: int | None = None,
-        offload_activations: bool | None = None,
+        offload_activations: bool | int | None = None,
         keep_activations: bool = True,
         allow_unvalidated: bool = False,
         save_frozen_base: bool = False,
@@ -251,6 +255,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             share_key=shared_copy_key(self._stack.model.config, self.share_host_copy, self.is_distributed),
         )
         owner = self._budget_owner
+        offload, offloaded_layers = offload_split(self.offload_activations, len(self._stack.layers))
         cap = None if self.card_budget else self.vram_budget
         for change in self._placement.place(self.lightning_module, self._stack, device, cap, owner):
             rank_zero_info(f"BlockwiseStrategy: {change}.")
@@ -267,7 +272,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             device=device,
             prefetch_depth=self.prefetch_depth,
             budget=self.vram_budget,
-            offload=self.offload_activations,
+            offload=offload,
+            offloaded_layers=offloaded_layers,
             block_layers=self.plan.layers_per_block,
             keep_activations=self.keep_activations,
             window=self._block_major.window if self._block_major is not None else 1,
@@ -288,6 +294,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             self.prefetch_depth,
             plan.residency.resident,
             plan.residency.kept,
+            offloaded_layers,
         )
         self._layers.set_observer(self._observer)
         self._planner.attach(self._layers)

@@ -44,6 +44,35 @@ def check_bool(name: str, value: Any) -> None:
 CARD = "card"
 
 
+def check_offload(value: Any) -> None:
+    """Refuse an ``offload_activations`` that is not ``True``, ``False``, ``None`` or a count of layers."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return
+    raise MisconfigurationException(
+        f"`BlockwiseStrategy(offload_activations={value!r})` must be True, False, None (None decides from the plan)"
+        " or how many layers, the first ones, save their inputs in host memory (an integer of at least 0)."
+    )
+
+
+def offload_split(value: bool | int | None, num_layers: int) -> tuple[bool | None, int | None]:
+    """``offload_activations`` as the step budget takes it: offload on/off/auto, and how many layers offload.
+
+    An integer ``m`` offloads the first ``m`` layers' inputs (NOTE [ Split layer inputs ] in
+    residency/activations.py); ``None`` as the count means every layer.
+
+    Raises:
+        MisconfigurationException: If ``m`` is more than the decoder layers.
+    """
+    if value is None or isinstance(value, bool):
+        return value, None
+    if value > num_layers:
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy(offload_activations={value})` asks for more layers' inputs in host memory than the"
+            f" model's {num_layers} decoder layers; pass at most {num_layers} (or True for all of them)."
+        )
+    return value > 0, value
+
+
 def budget_bytes(vram_budget: int | str | None) -> int | None:
     """``vram_budget`` in bytes (``None`` and ``"card"``, decided at setup, give ``None``), or a clear error."""
     if vram_budget is None or vram_budget == CARD:
@@ -93,7 +122,7 @@ def check_options(
     )
     if budget_tokens is not None:
         check_count("budget_tokens", budget_tokens)
-    check_optional_bool("offload_activations", offload_activations)
+    check_offload(offload_activations)
     check_bool("keep_activations", keep_activations)
     check_bool("block_major_accumulation", block_major_accumulation)
     if block_major_accumulation and offload_activations:
@@ -151,8 +180,10 @@ __all__ = [
     "check_bool",
     "check_count",
     "check_device",
+    "check_offload",
     "check_optional_bool",
     "check_options",
+    "offload_split",
     "refuse_compiled",
     "refuse_cpu_eval_mode_4bit",
 ]
