@@ -81,21 +81,13 @@ class Timer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if idx == self.warmup:
             measure.reset_peaks(self.device)
-        self._start = _now(self.device)
+        self._start = measure.now(self.device)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        end = _now(self.device)
+        end = measure.now(self.device)
         if args[-1] >= self.warmup:
             self.times.append(end - self._start)
         self.losses.append(float(outputs["loss"]))
-
-
-def _now(device: torch.device) -> float:
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:

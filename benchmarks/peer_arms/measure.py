@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,13 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(
         s in text for s in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY")
     )
+
+
+def now(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done (a step's end, not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def reset_peaks(device: torch.device) -> None:

@@ -17,7 +17,6 @@ import argparse
 import gc
 import importlib.util
 import os
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -71,38 +70,36 @@ def run_point(model: Any, point: Point, fixed_steps: int | None, device: torch.d
     steps, warmup = point.steps(fixed_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
-    data = batches(point, steps + warmup, model.config.vocab_size)
     row: dict[str, Any] = {"steps": steps, "warmup": warmup}
     times: list[float] = []
     losses: list[float] = []
     measure.reset_peaks(device)
-    try:
+    try:  # the data's refusal is this point's result too
+        data = batches(point, steps + warmup, model.config.vocab_size)
+        row["step_tokens_mean"] = sum(int(b["input_ids"].numel()) for b in data) / len(data)
         for index, batch in enumerate(data):
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             if index == warmup:
                 measure.reset_peaks(device)
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            start = measure.now(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
                 loss = model(**batch).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device)
+            end = measure.now(device)
             if index >= warmup:
-                times.append(time.perf_counter() - start)
+                times.append(end - start)
             losses.append(float(loss))
         row["status"] = "ok"
+        row.update(measure.timing(times, row["step_tokens_mean"]), loss_first=losses[0], loss_last=losses[-1])
     except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
         row.update(measure.failure(error), steps_done=len(losses))
-    step_tokens = sum(int(b["input_ids"].numel()) for b in data) / len(data)
-    row["step_tokens_mean"] = step_tokens
-    if row["status"] == "ok":
-        row.update(measure.timing(times, step_tokens), loss_first=losses[0], loss_last=losses[-1])
     row.update(measure.peaks(device))
-    del optimizer, data
+    del optimizer
     gc.collect()
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -116,10 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cap-gib", type=float, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tests' stand-in probe")
     args = parser.parse_args(argv)
     if args.arm.system != "unsloth":
         parser.error(f"--arm {args.arm.name}: this process runs the unsloth arm only.")
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     gc_mode = str(args.arm.options.get("gc", "unsloth"))
     head: dict[str, Any] = {"system": "unsloth", "arm": args.arm.name, "shape": args.shape}
     head["settings"] = measure.cap_allocator(device, args.cap_gib)
@@ -128,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         probe = load_probe(args.probe)
         max_seq = max(p.step_tokens if p.data == "rows" else p.tokens for p in points)
         options = argparse.Namespace(
-            grad_ckpt=gc_mode, max_seq=max_seq, no_4bit=False, device="cuda", rank=16, alpha=32, seed=0,
-            expandable_segments="auto",
+            grad_ckpt=gc_mode, max_seq=max_seq, no_4bit=args.device == "cpu", device=args.device, rank=16,
+            alpha=32, seed=0, expandable_segments="auto",
         )  # fmt: skip
         probe._set_env(options)
         path, notes = probe.prepare_checkpoint(str(args.ckpt), max_seq)

@@ -175,3 +175,53 @@ def test_table_ratios_are_over_unsloth_at_the_same_point() -> None:
         "| 7b | 22.0 | random:4096x1 | peft | oom: OutOfMemoryError: CUDA | - | - | 21.00 | 22.00 | - | 2.20x |"
         in table
     )
+
+
+#: A stand-in for the peer probe (Unsloth needs a GPU): its three calls, a tiny bf16 model, the shapes it is fed.
+_PROBE = """
+import torch, transformers
+from peft import LoraConfig, get_peft_model
+
+def _set_env(args):
+    pass
+
+def prepare_checkpoint(ckpt, max_seq):
+    return ckpt, {"view": None}
+
+def load_unsloth(path, args):
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(transformers.AutoModelForCausalLM.from_config(config), LoraConfig(r=4,
+                           target_modules=["q_proj"]))
+    shapes = []
+    model.register_forward_pre_hook(lambda m, a, kw: shapes.append(list(kw["input_ids"].shape)), with_kwargs=True)
+    return model, {"grad_ckpt": args.grad_ckpt, "max_seq": args.max_seq, "shapes": shapes}
+"""
+
+
+def test_unsloth_arm_feeds_the_probes_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Set, so that importing the arm (which sets Unsloth's allocator default when unset) leaves the session's as it was.
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    from benchmarks.peer_arms import unsloth_arm
+
+    probe, out = tmp_path / "probe.py", tmp_path / "rows.jsonl"
+    probe.write_text(_PROBE)
+    common = ["--ckpt", str(tmp_path), "--device", "cpu", "--steps", "1", "--out", str(out)]
+    unsloth_arm.main(["--arm", "unsloth+gc=false", "--probe", str(probe), "--points", "rows:64x2", "random:32x1",
+                      *common])  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["point"], r["status"], r["system"]) for r in rows] == [
+        ("random:32x1", "ok", "unsloth"), ("rows:64x2", "ok", "unsloth")
+    ]  # fmt: skip
+    notes = rows[-1]["settings"]["unsloth"]
+    assert notes["grad_ckpt"] == "false" and notes["max_seq"] == 128  # the packed pair is one row of 128
+    # Three steps a point (two of warm-up); the packed batch of two rows reaches the model as one row.
+    assert notes["shapes"][:3] == [[1, 32]] * 3 and {s[0] for s in notes["shapes"][3:]} == {1}
+    packed = [s[1] for s in notes["shapes"][3:]]
+    assert all(64 < n <= 128 for n in packed) and rows[-1]["step_tokens_mean"] == sum(packed) / len(packed) > 0
+    assert rows[-1]["s_per_step"] > 0 and rows[-1]["settings"]["rows_as"] == unsloth_arm.ROWS_AS_ONE
+
+    unsloth_arm.main(["--arm", "unsloth", "--probe", str(tmp_path / "none.py"), "--points", "random:32x1", *common])
+    failed = json.loads(out.read_text().splitlines()[-1])
+    assert failed["status"] == "error" and failed["phase"] == "load" and "none.py does not exist" in failed["error"]
