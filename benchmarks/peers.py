@@ -76,12 +76,12 @@ def unsloth_skip(args: argparse.Namespace) -> str | None:
         return f"no peer probe at {args.probe} (copy ../shared/peers/unsloth_probe.py there)"
     if not args.peer_env.is_file():
         return f"no {args.peer_env} (copy ../shared/peers/peer-env.sh there)"
+    if args.device != "cuda":
+        return "Unsloth runs on a CUDA GPU only"
     check = 'import importlib.util, sys; sys.exit(importlib.util.find_spec("unsloth") is None)'
     found = subprocess.run(_in_peer_env(args, "-c", check), cwd=ROOT, capture_output=True, timeout=600)
     if found.returncode != 0:
         return f"unsloth is not importable after sourcing {args.peer_env}"
-    if args.device != "cuda":
-        return "Unsloth runs on a CUDA GPU only"
     return None
 
 
@@ -160,6 +160,8 @@ def _missing(arm: Arm, p: Point, args: argparse.Namespace, status: str, why: str
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every arm at every point, Unsloth first; the rows, also appended to ``--out``."""
     points = plan_points(args)
+    said = "; ".join(f"{p.key}: {p.steps(args.steps)[0]} after {p.steps(args.steps)[1]} warm-up" for p in points)
+    print(f"peers: s/step is the median of the timed steps ({said})", file=sys.stderr, flush=True)
     arms = sorted(args.arms, key=lambda a: a.system != "unsloth")  # stable: the others keep their order
     results: list[dict[str, Any]] = []
     peer_peaks: dict[str, int] = {}

@@ -105,7 +105,8 @@ def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[s
             ) from error
         use_liger_kernels(model)
         settings["liger"] = "use_liger_kernels(model): its defaults (RMSNorm, RoPE, SwiGLU)"
-    settings["kernels"] = "liger" if "liger" in arm.options else "transformers (sdpa attention)"
+    attention = model.config._attn_implementation
+    settings["kernels"] = f"{'liger' if 'liger' in arm.options else 'transformers'} ({attention} attention)"
     tile = arm.options.get("tiled")
     if tile is not None:
         settings["tiled_mlp_tokens"] = TILE_TOKENS if tile is True else int(tile)
