@@ -20,15 +20,20 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-import lightning_blockwise  # noqa: F401
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.kernels.forwards import LigerForward
 from lightning_blockwise.kernels.liger import liger_kernels_in, use_liger_kernels
 from tests.helpers.models import (
+    CONFIGS,
     DEFAULT_TARGETS,
     GPU_SHAPES,
+    CausalLMModule,
     assert_equal_runs,
+    build_model,
+    fit,
     fit_on_gpu,
     nf4_lora_builder,
+    padded_batches,
     runs_differ,
 )
 
@@ -110,6 +115,51 @@ def test_deterministic_liger_blockwise_equals_resident_and_control(
     assert runs_differ(resident, plain), "control: Liger's kernels on and off must differ"
     delta = max((a - b).abs().item() for a, b in zip(resident.losses, plain.losses, strict=True))
     print(f"[gpu kernels] {name}: Liger on vs off, largest loss difference {delta:.3g} (rounding)")
+
+
+def _tiny_liger(model_type: str) -> nn.Module:
+    """The tests' tiny fp32 model of ``model_type`` with LoRA (dropout on), Liger's kernels installed."""
+    return use_liger_kernels(build_model(model_type))
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_liger_computes_each_architecture_as_hugging_face_does_up_to_rounding(
+    model_type: str, liger_calls: dict[str, int]
+) -> None:
+    """The per-architecture settings (Gemma's 1 + weight, Phi-3's fused gate-up, Qwen3's head norms) are right."""
+    model = build_model(model_type).cuda().eval()
+    batch = {key: value.cuda() for key, value in padded_batches(1)[0].items()}
+
+    def loss_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain_grads = loss_and_grads()
+    use_liger_kernels(model)
+    loss, grads = loss_and_grads()
+    assert sum(liger_calls.values()) > 0
+    worst = max((grads[n] - plain_grads[n]).abs().max().item() / plain_grads[n].abs().max().item() for n in grads)
+    print(f"[gpu kernels] {model_type}: fp32 loss {plain_loss.item():.6f} vs {loss.item():.6f} with Liger;"
+          f" largest gradient difference {worst:.2e} of the gradient's scale")  # fmt: skip
+    assert torch.allclose(loss, plain_loss, rtol=1e-5, atol=1e-5)
+    assert worst < 1e-3
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_deterministic_liger_tiny_blockwise_equals_resident(model_type: str) -> None:
+    """Every architecture's rebuilt attention and Liger forwards through the replay (tiny fp32 models, dropout on)."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
+        pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
+    runs = [
+        fit(CausalLMModule(lambda: _tiny_liger(model_type)), strategy, accelerator="gpu", deterministic=True)
+        # Every block streamed and every layer recomputed (a budget would keep a tiny model resident).
+        for strategy in ("auto", BlockwiseStrategy(vram_budget=None))
+    ]
+    assert_equal_runs(*runs)
+    plain = fit(CausalLMModule(lambda: build_model(model_type)), "auto", accelerator="gpu", deterministic=True)
+    assert runs_differ(runs[0], plain), "control: Liger's kernels on and off must differ"
 
 
 class _StepTimer(pl.Callback):
