@@ -11,8 +11,11 @@ from typing import NoReturn
 
 from typing_extensions import override
 
+from lightning_blockwise.cli.plan_longest import TABLE_CARDS_GIB, TABLE_LENGTHS
 from lightning_blockwise.planning import parse_bytes
+from lightning_blockwise.planning.longest import DEFAULT_LINK_GBPS, DEFAULT_TFLOPS
 from lightning_blockwise.planning.recommend import check_card
+from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
 PLAN_COMMAND = "plan"
@@ -67,7 +70,20 @@ def plan_parser() -> argparse.ArgumentParser:
         " with their gradients and AdamW state, under bf16 autocast. The peak is torch's max allocated memory; the"
         " CUDA context and the caching allocator need more on the card.",
     )
-    parser.add_argument("checkpoint", type=Path, help="A checkpoint directory, or the path of its config.json.")
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="A checkpoint directory, or the path of its config.json (or --shape instead).",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=list(DOCUMENTED_SHAPES),
+        default=None,
+        help="Plan for a documented shape instead of a checkpoint: the Qwen2.5 7B, 32B or 72B config (the shapes"
+        " benchmarks/RESULTS.md measures).",
+    )
     parser.add_argument("--seq-len", type=_positive_int, default=2048, help="Tokens per sequence (default: 2048).")
     parser.add_argument("--batch-size", type=_positive_int, default=1, help="Sequences per micro-batch (default: 1).")
     # The spelling of `CausalLMFineTune(lora_r=...)` and the configs' `lora_r`; `--lora-rank`, the first spelling,
@@ -108,9 +124,12 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--gpu-memory",
+        "--card",
+        dest="gpu_memory",
         type=_card_size,
         default=None,
-        help="A card's memory, e.g. 24GiB: recommend budget, block size, offload, loss and MLP tiling (default: none).",
+        help="A card's memory, e.g. 24GiB: recommend budget, block size, offload, loss and MLP tiling (default: none)."
+        " --card is the same option.",
     )
     parser.add_argument(
         "--offload-activations",
@@ -148,8 +167,88 @@ def plan_parser() -> argparse.ArgumentParser:
         help="Data-parallel processes on this machine, one GPU each (default: 1). VRAM is per GPU; host RAM is the"
         " machine's: one shared arena, each rank's offloaded layer inputs and embedding table.",
     )
+    _longest_arguments(parser)
     parser.add_argument("--json", action="store_true", help="Print the report as JSON (sizes in bytes).")
     return parser
+
+
+def _longest_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--longest`` and ``--table``: the longest context a card and a host train, and the grid of lengths x cards."""
+    parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="Answer the longest context (tokens, batch 1, a multiple of 1024) that trains on --card with --host-ram,"
+        " what stops a longer one, its expected step time, and the settings to copy.",
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="Print a markdown table of lengths (--lengths) x cards (--cards): the expected step time where it fits,"
+        " else the memory that binds (card, host, pinned); and each card's longest context.",
+    )
+    parser.add_argument(
+        "--host-ram",
+        type=_memory_size,
+        default=None,
+        help="The host's RAM for --longest and --table, e.g. 128GB (default: this machine's).",
+    )
+    parser.add_argument(
+        "--pinned-limit",
+        type=_memory_size,
+        default=None,
+        help="The most host memory that may be page-locked (a container's or `ulimit -l`'s limit; default: none).",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=_positive_float,
+        default=DEFAULT_TFLOPS,
+        help="The card's sustained bf16 matmul rate in TFLOP/s, for the expected step time (default:"
+        f" {DEFAULT_TFLOPS:g}, a 24 GB RTX 4090-class card; an H100 ran 32k-131k-token steps at an effective"
+        " 360-440). Compute: (6 x matmul weights x tokens + 9 x tokens^2 x attention width x layers) / rate; the"
+        " step time is the larger of that and the host link's copies.",
+    )
+    parser.add_argument(
+        "--link-gbps",
+        type=_positive_float,
+        default=DEFAULT_LINK_GBPS,
+        help=f"The host link's rate in GB/s (default: {DEFAULT_LINK_GBPS:g}, PCIe 4.0 x16; an H100's PCIe 5 link"
+        " measured 54.5). Copies: the streamed blocks twice per step (three times with --recompute-every) and the"
+        " offloaded layer inputs out and back.",
+    )
+    parser.add_argument(
+        "--recompute-every",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="Plan for a second-level recompute that keeps every K-th layer's input (host bytes of the inputs / K,"
+        " K - 1 inputs more on the card, a third weight pass and forward per step; default: off).",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_positive_int,
+        nargs="+",
+        default=list(TABLE_LENGTHS),
+        help="--table's lengths in tokens (default: 4k to 512k).",
+    )
+    parser.add_argument(
+        "--cards",
+        type=_positive_int,
+        nargs="+",
+        default=list(TABLE_CARDS_GIB),
+        metavar="GIB",
+        help="--table's cards in GiB (default: 16 24 48 80).",
+    )
+
+
+def _positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one above 0.") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0.")
+    return value
 
 
 __all__ = ["OFFLOAD_CHOICES", "PLAN_COMMAND", "plan_parser"]

@@ -12,6 +12,8 @@ Example::
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 32768 --loss-chunk-tokens 1024 --mlp-tile-tokens 4096
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 4096 --devices 2 --gpu-memory 80GB
+    lightning-blockwise plan /models/Qwen2.5-7B --card 24GB --host-ram 128GB --longest
+    lightning-blockwise plan --shape 72b --host-ram 256GiB --table
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, plan_parser
+from lightning_blockwise.cli.plan_context import longest_report
 from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
 from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.planning.recommend import (
@@ -32,6 +35,7 @@ from lightning_blockwise.planning.recommend import (
     RECOMMENDED_MLP_TILE_TOKENS,
     recommend,
 )
+from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES, shape_config
 from lightning_blockwise.planning.sizing import model_sizes
 
 
@@ -49,9 +53,12 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             before the config is read), a checkpoint that does not exist, or a plan that cannot work.
     """
     options = plan_parser().parse_args(sys.argv[2:] if args is None else args)
+    config = _config(options.checkpoint, options.shape)
+    if options.longest or options.table:
+        return longest_report(config, options)
     try:
         report = plan_report(
-            _load_config(options.checkpoint),
+            config,
             tokens=options.seq_len * options.batch_size,
             lora_rank=options.lora_r,
             targets=options.targets,
@@ -224,6 +231,17 @@ def _smaller_step_hint(loss_chunk_tokens: int | None, mlp_tile_tokens: int | Non
 
 def _option_name(offload_activations: bool | None) -> str:
     return next(name for name, value in OFFLOAD_CHOICES.items() if value is offload_activations)
+
+
+def _config(checkpoint: Path | None, shape: str | None) -> Any:
+    """The config to plan for: a checkpoint's, or a documented shape's."""
+    if (checkpoint is None) == (shape is None):
+        given = "both a checkpoint and --shape" if shape else "neither a checkpoint nor --shape"
+        raise SystemExit(
+            f"lightning-blockwise plan: {given} given; give one: a checkpoint directory (or its config.json), or"
+            f" --shape {'/'.join(DOCUMENTED_SHAPES)}."
+        )
+    return shape_config(shape) if shape is not None else _load_config(checkpoint)
 
 
 def _load_config(path: Path) -> Any:
