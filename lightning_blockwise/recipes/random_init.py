@@ -7,7 +7,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_blockwise.loading.random_base import random_linear, random_parameter
+from lightning_blockwise.loading.random_draws import random_linear, random_parameter
 
 
 def random_nf4_model(
@@ -39,7 +39,7 @@ def random_nf4_model(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
     head = model.get_output_embeddings()
-    # NOTE [ Random draw order ] in loading/random_base.py: `random_blockwise` builds these bytes layer by layer.
+    # NOTE [ Random draw order ] in loading/random_draws.py: `random_blockwise` builds these bytes layer by layer.
     for name, linear in list(model.named_modules()):
         if isinstance(linear, nn.Linear) and linear is not head:
             model.set_submodule(name, random_linear(linear, device, compute_dtype, std))

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 import lightning_blockwise.residency.arena
 from lightning_blockwise import BlockwiseStrategy, random_blockwise
 from lightning_blockwise.compat.bitsandbytes import nf4_linear
-from lightning_blockwise.loading import random_base
+from lightning_blockwise.loading import random_base, random_draws
 from lightning_blockwise.loading.random_base import random_share_key
 from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.recipes.random_init import random_nf4_model
@@ -33,7 +33,7 @@ _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2)
 
 #: Tiny configs, hidden 64, 3 layers (blocks of 2 leave a short last block). qwen3_moe's layers hold 3-D experts,
-#: drawn between the embeddings and the next layer (NOTE [ Random draw order ] in loading/random_base.py).
+#: drawn between the embeddings and the next layer (NOTE [ Random draw order ] in loading/random_draws.py).
 CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen2": lambda: transformers.Qwen2Config(**_SMALL, **_ATTN),
     "llama": lambda: transformers.LlamaConfig(**_SMALL, **_ATTN),
@@ -91,9 +91,9 @@ def test_bytes_equal_random_nf4_model(model_type: str, dtype: torch.dtype) -> No
 def test_moe_needs_the_recorded_states(monkeypatch: pytest.MonkeyPatch) -> None:
     """qwen3_moe's experts are drawn after every linear: built without the first pass, the bytes differ."""
     config = CONFIGS["qwen3_moe"]()
-    experts = [p for p in random_base._other_parameters(_build(config, 0, torch.float32).model.layers[0])]
+    experts = [p for p in random_draws._other_parameters(_build(config, 0, torch.float32).model.layers[0])]
     assert any(p.dim() == 3 for p in experts)
-    monkeypatch.setattr(random_base, "_other_parameters", lambda layer: [])  # every layer taken for a dense one
+    monkeypatch.setattr(random_draws, "_other_parameters", lambda layer: [])  # every layer taken for a dense one
     with pytest.raises(AssertionError):
         _assert_same_bytes(_reference(config, 0, torch.float32), _build(config, 0, torch.float32))
 
@@ -168,7 +168,7 @@ def _spy_unquantized(monkeypatch: pytest.MonkeyPatch, keep: bool) -> list[int]:
             kept.extend([weight] if keep else [])
         return nf4_linear(linear, weight, compute_dtype)
 
-    monkeypatch.setattr(random_base, "nf4_linear", spy)
+    monkeypatch.setattr(random_draws, "nf4_linear", spy)
     return counts
 
 
@@ -263,7 +263,7 @@ def test_host_ram_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPat
     room = slab_offsets(slabs[:2])[-1]
     monkeypatch.setattr(arena, "available_host_memory", lambda: arena.HOST_RAM_RESERVE + room)
     monkeypatch.setattr(random_base, "HostArena", _refuse)
-    monkeypatch.setattr(random_base, "_draw", _refuse)
+    monkeypatch.setattr(random_base, "draw_in_order", _refuse)
     with pytest.raises(MisconfigurationException, match=r"at most 2 of the 3 decoder layers fit") as refused:
         _build(config, 0, torch.bfloat16, block_size=1)
     assert "random_blockwise: the decoder layers of `a random LlamaConfig` need" in str(refused.value)
