@@ -103,6 +103,20 @@ def test_device_limit_without_a_budget_decides_automatic_offload(minima: tuple[i
     assert _budget(budget=without, device_limit=1).plan(TOKENS).offload is False
 
 
+def test_the_cards_budget_gives_way_to_streaming_where_the_set_budget_refuses(minima: tuple[int, int]) -> None:
+    # NOTE [ The card as the default budget ]: an estimate the user did not ask for does not refuse a run.
+    _, with_offload = minima
+    plan = _budget(budget=with_offload - 1, card=True, device_limit=with_offload - 1).plan(TOKENS)
+    assert plan.residency.resident == () and plan.residency.kept == ()  # every block streamed, nothing kept
+    assert plan.offload is True  # the device limit still turns offload on
+    assert plan.over_card is not None and "card's budget" in plan.over_card and "loss_chunk_tokens" in plan.over_card
+    # Control: the same budget set by the user is refused.
+    with pytest.raises(ValueError, match="tokens per micro-batch"):
+        _budget(budget=with_offload - 1, device_limit=with_offload - 1).plan(TOKENS)
+    # And a card's budget that holds the step plans with it, saying nothing.
+    assert _budget(budget=10 * with_offload, card=True).plan(TOKENS).over_card is None
+
+
 def test_batch_tokens() -> None:
     ids = torch.ones(2, 6, dtype=torch.long)
     floats = torch.ones(2, 5)

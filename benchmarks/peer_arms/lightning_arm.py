@@ -54,12 +54,20 @@ DATA = Path(__file__).resolve().parents[2] / "data" / "instructions.jsonl"
 
 
 class PeerModule(pl.LightningModule):
-    """Trains ``model`` with the chunked loss (``chunk`` rows of logits at a time) or, ``chunk=None``, HF's."""
+    """Trains ``model`` with the chunked loss (``chunk`` rows of logits at a time) or, ``chunk=None``, HF's.
 
-    def __init__(self, model: nn.Module, chunk: int | None) -> None:
+    It declares both, and the MLP tile (``tile``, applied to the model by the arm), to the planner.
+    """
+
+    def __init__(self, model: nn.Module, chunk: int | None, tile: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.chunk = chunk
+        # What the strategy's planner reads (NOTE [ Chunked loss ], NOTE [ Tiled MLP ]): undeclared, it plans for
+        # Hugging Face's loss, N x V logits in fp32 several times over (35 GB at 16k tokens), and refuses or
+        # streams what fits.
+        self.loss_chunk_tokens = chunk
+        self.mlp_tile_tokens = tile
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if self.chunk is None:
@@ -172,7 +180,9 @@ def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace
             precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
         )  # fmt: skip
-        trainer.fit(PeerModule(model, chunk), DataLoader(data, batch_size=None))
+        tile = arm.options.get("tiled")
+        tile = None if tile is None else TILE_TOKENS if tile is True else int(tile)
+        trainer.fit(PeerModule(model, chunk, tile), DataLoader(data, batch_size=None))
         row["status"] = "ok"
         row.update(measure.timing(timer.times, row["step_tokens_mean"]), loss_first=timer.losses[0],
                    loss_last=timer.losses[-1])  # fmt: skip

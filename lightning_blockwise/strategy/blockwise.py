@@ -278,6 +278,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             keep_activations=self.keep_activations,
             window=self._block_major.window if self._block_major is not None else 1,
             ranks=self.world_size,
+            card=self.card_budget,
         )
         self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS

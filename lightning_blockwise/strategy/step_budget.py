@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ class StepPlan:
     residency: ResidencyPlan
     offload: bool
     shape: StepShape
+    #: Why the card's budget gave way to streaming every block (NOTE [ The card as the default budget ]), else None.
+    over_card: str | None = None
 
     @property
     def offload_host_bytes(self) -> int:
@@ -96,6 +98,7 @@ class StepBudget:
     adapter_dropout: bool = True
     window: int = 1
     offloaded_layers: int | None = None
+    card: bool = False
 
     @classmethod
     def for_module(
@@ -112,6 +115,7 @@ class StepBudget:
         window: int = 1,
         ranks: int = 1,
         offloaded_layers: int | None = None,
+        card: bool = False,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -133,6 +137,8 @@ class StepBudget:
             ranks: Data-parallel processes of the run: with several, DDP's gradient buckets (a flat copy of the
                 trainable gradients on each rank's device, `ModelSizes.per_rank` in planning) count as fixed bytes.
             offloaded_layers: With offload on, the layers whose inputs go to host memory (``None``: all).
+            card: ``budget`` is the card's, not the user's (NOTE [ The card as the default budget ]): a step it does
+                not hold streams every block instead of being refused.
         """
         head = model.get_output_embeddings()
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -155,6 +161,7 @@ class StepBudget:
             adapter_dropout=_has_dropout(module),
             window=window,
             offloaded_layers=offloaded_layers,
+            card=card,
         )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
@@ -176,11 +183,31 @@ class StepBudget:
         """The plan for micro-batches of up to ``tokens`` tokens (NOTE [ A budget that sees the batches ]).
 
         Automatic offload stays off while the step fits (the budget, else ``device_limit``) without it.
+        With the card's budget (``card``), a step that does not fit it even with every block streamed is
+        planned without a budget instead, every block streamed, and the plan says why (``over_card``): the card's
+        budget is an estimate the user did not ask for, and the prediction errs high (a loss the module does not
+        declare counts as Hugging Face's), so such a run is not refused where it may well fit.
 
         Raises:
             ValueError: If even every block streamed (and the inputs offloaded, unless forced off)
                 does not fit the budget; says by how much and what to change.
         """
+        try:
+            return self._plan(tokens)
+        except ValueError as error:
+            if not self.card or self.budget is None:
+                raise
+            refusal = error
+        streamed = replace(self, budget=None, card=False)._plan(tokens)
+        why = (
+            f"the card's budget of {format_gib(self.budget)} is below what the plan predicts ({refusal}); every block"
+            " streams instead, unbudgeted. The prediction counts a loss the module does not declare as Hugging"
+            " Face's (declare `loss_chunk_tokens` with a chunked loss); if the step runs out of memory, offload the"
+            " layer inputs, tile the MLPs or shorten the micro-batches"
+        )
+        return replace(streamed, over_card=why)
+
+    def _plan(self, tokens: int) -> StepPlan:
         choices = [self.offload] if self.offload is not None else [False] if self.window > 1 else [False, True]
         error: ValueError | None = None
         for offload in choices:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
 from lightning_blockwise.strategy.step_tokens import batch_tokens
@@ -101,7 +102,10 @@ class StepPlanner:
 
     def _plan_for(self, tokens: int) -> StepPlan:
         with budget_errors(self.owner):
-            return self.budget.plan(tokens)
+            plan = self.budget.plan(tokens)
+        if plan.over_card is not None:
+            rank_zero_warn(f"BlockwiseStrategy: at {tokens} tokens per micro-batch, {plan.over_card}.")
+        return plan
 
     def _adopt(self, plan: StepPlan) -> None:
         """Make ``plan`` the run's: its resident blocks and its offload (between steps only)."""
