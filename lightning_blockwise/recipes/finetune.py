@@ -80,9 +80,11 @@ class CausalLMFineTune(pl.LightningModule):
             ``"standard"``: always ``from_pretrained`` (e.g. a multimodal checkpoint whose vision tower is
             quantized too, which ``load_blockwise`` refuses); ``"blockwise"``: always ``load_blockwise``.
         random_init: Build the model from ``checkpoint``'s ``config.json`` with random weights instead of
-            loading them (a real shape without its weights: smoke runs and memory checks); see
-            :func:`~lightning_blockwise.recipes.random_init.random_nf4_model`, or with ``quantize=False`` a
-            dense model built on the CPU. Seeded by ``seed_everything``.
+            loading them (a real shape without its weights: smoke runs and memory checks). Under
+            ``BlockwiseStrategy`` (unless ``loader="standard"``) it is built one layer at a time straight into the
+            host arena (:func:`~lightning_blockwise.loading.random_base.random_blockwise`, any size), otherwise
+            on the device (:func:`~lightning_blockwise.recipes.random_init.random_nf4_model`); the same bytes either
+            way. Seeded by ``seed_everything``.
         loss_chunk_tokens: Train and validate on
             :func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss` with this many rows of logits at a
             time, never the full-vocabulary logits (long context); ``None``: the model's own loss. It changes the
