@@ -1,0 +1,157 @@
+"""`lightning-blockwise plan --longest` / `--table`: the longest context a card and a host train."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_blockwise.cli import main
+from lightning_blockwise.cli.plan_longest import Machine, context_fit, longest_context
+from lightning_blockwise.planning.footprint import ModelSizes
+from lightning_blockwise.planning.shapes import shape_config
+from lightning_blockwise.planning.sizing import model_sizes
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sizes() -> dict[str, ModelSizes]:
+    return {name: model_sizes(shape_config(name), dtype=torch.bfloat16, lora_rank=16) for name in ("7b", "72b")}
+
+
+def test_fits_are_monotone_in_the_length(sizes: dict[str, ModelSizes]) -> None:
+    """What the search assumes: a length that fits means every shorter one does (7B, 24 GiB; 72B, 96 GiB host)."""
+    for name, machine in (("7b", Machine(24 * GiB, 128 * GiB)), ("72b", Machine(80 * GiB, 96 * GiB))):
+        verdicts = [context_fit(sizes[name], machine, tokens).fits for tokens in range(4096, 262145, 8192)]
+        assert verdicts == sorted(verdicts, reverse=True) and True in verdicts and False in verdicts, name
+
+
+def test_the_card_binds_the_7b_on_a_24_gib_card(sizes: dict[str, ModelSizes]) -> None:
+    machine = Machine(card=24 * GiB, host_ram=128 * GiB)
+    longest, after = longest_context(sizes["7b"], machine)
+    assert longest is not None and longest.fits and longest.tokens % 1024 == 0
+    assert after.tokens == longest.tokens + 1024 and after.binds == ("card",)
+    # The card: the plan of the answer fits the budget with the allocator's headroom; the next one's minimum does not.
+    assert longest.advice.plan is not None and longest.advice.plan.predicted_reserved <= longest.advice.budget
+    assert after.advice.plan is None and after.advice.minimum > after.advice.budget
+    # Every long-context option is on at that length, and the host has room to spare.
+    advice = longest.advice
+    assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 1024, 4096)
+    assert longest.host_bytes < machine.host_ram
+    assert longest.tokens == 122880
+
+
+def test_the_host_binds_the_72b_on_an_80_gib_card(sizes: dict[str, ModelSizes]) -> None:
+    seventy_two = sizes["72b"]
+    machine = Machine(card=80 * GiB, host_ram=96 * GiB)
+    longest, after = longest_context(seventy_two, machine)
+    assert longest is not None and after.binds == ("host",)
+    assert longest.host_bytes <= machine.host_ram < after.host_bytes
+    # Host bytes: the arena, every layer's input offloaded, the embedding table and the arena's 2 GiB reserve.
+    offloaded = 80 * longest.tokens * 8192 * 2
+    arena = seventy_two.host_bytes(longest.advice.block_size)
+    assert longest.pinned_bytes == arena + offloaded
+    assert longest.host_bytes == arena + offloaded + seventy_two.host_embedding_bytes + 2 * GiB
+    # Control: with the host's RAM doubled the card binds instead, further on.
+    roomy, roomy_after = longest_context(seventy_two, Machine(card=80 * GiB, host_ram=512 * GiB))
+    assert roomy is not None and roomy.tokens > longest.tokens and roomy_after.binds == ("card",)
+
+
+def test_a_page_locked_limit_binds_as_pinned(sizes: dict[str, ModelSizes]) -> None:
+    machine = Machine(card=80 * GiB, host_ram=512 * GiB, pinned_limit=64 * GiB)
+    longest, after = longest_context(sizes["72b"], machine)
+    assert longest is not None and after.binds == ("pinned",)
+    assert longest.pinned_bytes <= 64 * GiB < after.pinned_bytes
+
+
+def test_a_second_level_recompute_divides_the_offloaded_host_bytes(sizes: dict[str, ModelSizes]) -> None:
+    seventy_two = sizes["72b"]
+    plain = context_fit(seventy_two, Machine(80 * GiB, 512 * GiB), 65536)
+    every4 = context_fit(seventy_two, Machine(80 * GiB, 512 * GiB, recompute_every=4), 65536)
+    arena = seventy_two.host_bytes(plain.advice.block_size)
+    assert plain.advice.offload_activations and every4.advice.offload_activations
+    assert (plain.pinned_bytes - arena) == 4 * (every4.pinned_bytes - arena) == 80 * 65536 * 8192 * 2
+    # A third weight pass and forward: slower steps.
+    assert plain.time is not None and every4.time is not None and every4.time.compute > plain.time.compute
+    # Where the host bound the plain step, the recompute goes further.
+    host_bound, _ = longest_context(seventy_two, Machine(80 * GiB, 96 * GiB))
+    recomputed, _ = longest_context(seventy_two, Machine(80 * GiB, 96 * GiB, recompute_every=4))
+    assert host_bound is not None and recomputed is not None and recomputed.tokens > host_bound.tokens
+
+
+def test_longest_prints_the_answer_and_settings_to_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["plan", "--shape", "7b", "--card", "24GiB", "--host-ram", "128GiB", "--longest"])
+    out = capsys.readouterr().out
+    assert out.startswith("longest context of 7b on a 24 GiB card and 128 GiB of host RAM: 122,880 tokens (batch 1)")
+    assert "123,904 tokens do not fit: card binds" in out
+    assert re.search(r"expected step: [\d.]+ s, compute-bound \(compute [\d.]+ s at 150 TFLOP/s", out)
+    assert (
+        "strategy = BlockwiseStrategy(vram_budget='23.0GiB', block_size=1, offload_activations=True,"
+        " budget_tokens=122880)" in out
+    )
+    assert "model = CausalLMFineTune(checkpoint=..., loss_chunk_tokens=1024, mlp_tile_tokens=4096)" in out
+    assert "    init_args:\n        vram_budget: 23.0GiB\n" in out and "      max_length: 122880\n" in out
+    main(["plan", "--shape", "7b", "--card", "24GiB", "--host-ram", "128GiB", "--longest", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["longest"]["tokens"] == 122880 and report["next"]["binds"] == ["card"]
+    assert report["longest"]["settings"]["model"] == {"loss_chunk_tokens": 1024, "mlp_tile_tokens": 4096}
+
+
+def test_longest_says_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["plan", "--shape", "72b", "--card", "4GiB", "--host-ram", "512GiB", "--longest"])
+    out = capsys.readouterr().out
+    assert out.startswith("72b does not train even 1,024 tokens on a 4 GiB card and 512 GiB of host RAM: too small is")
+    assert "the card: even every block streamed" in out and re.search(r"a budget of [\d.]+ GB against", out)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--shape", "7b", "--longest"], r"--longest needs the card: give --card"),
+        (["--longest", "--card", "24GB"], r"neither a checkpoint nor --shape given"),
+        (["somewhere", "--shape", "7b", "--table"], r"both a checkpoint and --shape given"),
+        (["--shape", "7b", "--card", "24GB", "--longest", "--vram-budget", "20GiB"], r"drop --vram-budget"),
+        (["--shape", "7b", "--table", "--devices", "2"], r"--table plans one GPU"),
+        (["--shape", "7b", "--table", "--cards", "1"], r"--cards 1: a card needs at least 1.1 GiB"),
+        (["--shape", "9b", "--table"], r"argument --shape: invalid choice: '9b'"),
+        (["--shape", "7b", "--table", "--tflops", "0"], r"argument --tflops: 0 must be a finite number above 0"),
+    ],
+)
+def test_longest_and_table_refuse_arguments_they_lack_or_do_not_take(args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=rf"^lightning-blockwise plan: .*{message}") as exit_info:
+        main(["plan", *args])
+    assert "\n" not in str(exit_info.value)
+
+
+def test_table_renders_lengths_by_cards(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--shape", "7b", "--host-ram", "128GiB", "--table", "--cards", "16", "80", "--lengths", "4096"]
+    main([*args, "131072"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| 7b, host 128 GiB | 16 GiB card | 80 GiB card |"
+    assert lines[1] == "| --- | --- | --- |"
+    assert re.fullmatch(r"\| 4k \| [\d.]+ s \| [\d.]+ s \|", lines[2])
+    assert re.fullmatch(r"\| 128k \| no: card \| [\d.]+ s \|", lines[3])
+    assert re.fullmatch(r"\| longest \| \*\*\d+k\*\* \(card\) \| \*\*\d+k\*\* \(card\) \|", lines[4])
+    main([*args, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert [cell["fits"] for cell in report["table"]["16GiB"]["cells"]] == [True]
+    assert report["table"]["80GiB"]["next"]["binds"] == ["card"]
+
+
+#: The command whose output README.md's "How long can I train?" section shows, for each documented shape.
+README_TABLE = ["plan", "--host-ram", "128GiB", "--table", "--shape"]
+
+
+@pytest.mark.parametrize("shape", ["7b", "32b", "72b"])
+def test_the_readme_table_is_the_commands_output(shape: str, capsys: pytest.CaptureFixture[str]) -> None:
+    main([*README_TABLE, shape])
+    table = capsys.readouterr().out.strip()
+    readme = (ROOT / "README.md").read_text()
+    assert table in readme, (
+        f"README.md's {shape} table is out of date; paste `lightning-blockwise {' '.join(README_TABLE)} {shape}`"
+    )
