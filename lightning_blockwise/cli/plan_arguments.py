@@ -204,7 +204,7 @@ def _longest_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TFLOPS,
         help="The card's sustained bf16 matmul rate in TFLOP/s, for the expected step time (default:"
         f" {DEFAULT_TFLOPS:g}, a 24 GB RTX 4090-class card; an H100 ran 32k-131k-token steps at an effective"
-        " 360-440). Compute: (6 x matmul weights x tokens + 9 x tokens^2 x attention width x layers) / rate; the"
+        " 420-470). Compute: (6 x matmul weights x tokens + 9 x tokens^2 x attention width x layers) / rate; the"
         " step time is the larger of that and the host link's copies.",
     )
     parser.add_argument(

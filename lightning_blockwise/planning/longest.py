@@ -24,7 +24,7 @@ SEARCH_LIMIT = 2**24
 #: measured 54.5 GB/s from pinned memory, benchmarks/RESULTS.md).
 DEFAULT_LINK_GBPS = 25.0
 #: ``--tflops``'s default: a 24 GB RTX 4090-class card's sustained bf16 matmul rate. The H100 ran the 7B steps of
-#: 32k-131k tokens at an effective 360-440 by this formula (benchmarks/RESULTS.md; docs/long-context.md).
+#: 32k-131k tokens at an effective 420-470 by this formula (benchmarks/RESULTS.md; docs/long-context.md).
 DEFAULT_TFLOPS = 150.0
 
 # NOTE [ Expected step time ]

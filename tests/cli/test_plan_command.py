@@ -234,8 +234,8 @@ def test_sizes_are_a_dataclass_of_the_config() -> None:
         ("--seq-len", "2k", "argument --seq-len: '2k' is not a whole number"),
         ("--vram-budget", "0GiB", "argument --vram-budget: The memory size '0GiB' must be positive"),
         ("--vram-budget", "sixteen", "argument --vram-budget: Cannot read 'sixteen' as a memory size"),
-        ("--gpu-memory", "-24GiB", "argument --gpu-memory: The memory size '-24GiB' must be positive"),
-        ("--gpu-memory", "inf", "argument --gpu-memory: Cannot read 'inf' as a memory size: it is not finite"),
+        ("--gpu-memory", "-24GiB", "argument --gpu-memory/--card: The memory size '-24GiB' must be positive"),
+        ("--gpu-memory", "inf", "argument --gpu-memory/--card: Cannot read 'inf' as a memory size: it is not finite"),
     ],
 )
 def test_plan_refuses_bad_numbers_before_reading_the_config(
