@@ -38,6 +38,8 @@ DEFAULT_TFLOPS = 150.0
 # forwards: 9 x tokens^2 x size x layers for the step. A second-level recompute (every k-th layer's
 # input kept, the layers between recomputed once more) runs a third forward: 8 and 11. A tiled MLP and
 # the chunked loss recompute their matmuls in their backward: 2 x their params x tokens more.
+# Layers that keep their activations under a budget skip the recompute; the estimate counts it anyway,
+# an upper bound at the short lengths where blocks keep them (at long context none do).
 #
 # Copies, in bytes over the host link: every block's slab twice per step (forward and backward; three
 # times with a second-level recompute), and with offload the layer inputs out and back. The link is
