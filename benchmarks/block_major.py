@@ -44,7 +44,9 @@ def run_arm(model: torch.nn.Module, arm: str, args: argparse.Namespace, vocab: i
         batches.append({"input_ids": ids, "labels": ids})
     strategy: Any = "auto"
     if arm.startswith("blockwise"):
-        strategy = BlockwiseStrategy(budget_tokens=args.seq, block_major_accumulation=arm.endswith(":block_major"))
+        strategy = BlockwiseStrategy(
+            vram_budget=None, budget_tokens=args.seq, block_major_accumulation=arm.endswith(":block_major")
+        )
     timer = StepTimer(args.warmup * args.accumulate, group=args.accumulate)
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.windows,

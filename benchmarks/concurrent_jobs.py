@@ -9,7 +9,8 @@ bf16 checkpoint is ~65 GB, an NF4 one ~19 GB; a checkpoint that does not fit the
 anything is written). Then for each N in ``--jobs`` it starts N job processes at once. Each loads the base with
 ``load_blockwise`` (the first to claim it loads the host copy, the others map it read-only: NOTE [ One host copy
 per machine ] in residency/shared_arena.py), adds LoRA r16 on the seven projections and trains through
-``Trainer.fit`` under ``BlockwiseStrategy()`` (defaults, bf16-mixed, seq 512, batch 1, random tokens). The jobs
+``Trainer.fit`` under ``BlockwiseStrategy(vram_budget=None)`` (every block streamed, bf16-mixed, seq 512, batch 1,
+random tokens). The jobs
 wait for each other before their first step, so that their measured steps overlap. Each reports its median step
 time over ``--steps`` steps after 2 warm-up steps, its tokens/s, its ``max_memory_reserved`` (the CUDA context,
 ~0.5 GB per process, comes on top), whether it maps another process's copy, and its ``Rss``/``Pss_Shmem`` from
@@ -90,7 +91,7 @@ def run_job(checkpoint: Path, folder: Path, index: int, jobs: int, steps: int) -
     ]
     timer = StepTimer(WARMUP)
     trainer = pl.Trainer(
-        strategy=BlockwiseStrategy(),
+        strategy=BlockwiseStrategy(vram_budget=None),
         accelerator="gpu",
         devices=1,
         precision="bf16-mixed",

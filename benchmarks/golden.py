@@ -53,7 +53,7 @@ def layouts_and_setup(out: Path) -> None:
     with tempfile.TemporaryDirectory() as root:
         for arch in sorted(CONFIGS):
             path = save_checkpoint(arch, Path(root) / arch)
-            strategy = BlockwiseStrategy(block_size=2)
+            strategy = BlockwiseStrategy(vram_budget=None, block_size=2)
             module = CausalLMModule(lambda p=path, a=arch: build_model(a, p, quantized=True))
             trainer(strategy, max_steps=1, accumulate_grad_batches=1).fit(module, loader(padded_batches(1)))
             layouts = [

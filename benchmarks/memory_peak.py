@@ -98,7 +98,8 @@ def main() -> None:
     tokens = torch.randint(0, config.vocab_size, (args.step + 1, 1, args.seq))
     recorder = Recorder(step=args.step)
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, strategy=BlockwiseStrategy(offload_activations="offload" in parts),
+        accelerator="gpu", devices=1,
+        strategy=BlockwiseStrategy(vram_budget=None, offload_activations="offload" in parts),
         precision="bf16-mixed", max_steps=args.step + 1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Sample packing: training tokens/s with and without packing, through the data module and the blockwise strategy.
 
 A random-init NF4 model of the Qwen2.5-7B shape (`step_benchmark.SHAPES`), LoRA r=16 on all seven
-projections, bf16-mixed, AdamW, `BlockwiseStrategy()` with default options, trained through
+projections, bf16-mixed, AdamW, `BlockwiseStrategy(vram_budget=None)` (every block streamed), trained through
 `Trainer.fit` on `InstructionDataModule` (byte-level tokenizer: one token per character). The data:
 `--examples` instruction records whose lengths in tokens are drawn from a lognormal distribution
 (median `--median`, shape `--sigma`), clipped to [`--min-len`, `--max-len`], with a fixed seed; a
@@ -106,7 +106,7 @@ def run_arm(model: nn.Module, arm: str, records: Path, args: argparse.Namespace)
     )  # fmt: skip
     meter = TokenMeter(args.warmup, data.tokenizer.pad_token_id)
     trainer = pl.Trainer(
-        accelerator="cpu" if args.tiny else "gpu", devices=1, strategy=BlockwiseStrategy(),
+        accelerator="cpu" if args.tiny else "gpu", devices=1, strategy=BlockwiseStrategy(vram_budget=None),
         precision="32-true" if args.tiny else "bf16-mixed", max_steps=args.warmup + args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[meter],
         deterministic=args.deterministic, num_sanity_val_steps=0, limit_val_batches=0,

@@ -126,7 +126,9 @@ class Interleaved(pl.Callback):
 def run_interleaved(model: nn.Module, args: argparse.Namespace, vocab: int, root: str, first: bool) -> dict[str, Any]:
     batches = _batches(args, vocab)
     driver = Interleaved(BlockwiseProfiler(dirpath=root), args.interleave, args.warmup, profiled_first=first)
-    strategy = BlockwiseStrategy(block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq)
+    strategy = BlockwiseStrategy(
+        vram_budget=None, block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq
+    )
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.steps,
         logger=CSVLogger(root, name="interleaved"), log_every_n_steps=args.log_every, enable_checkpointing=False,
@@ -159,7 +161,7 @@ def run_arm(model: nn.Module, profiled: bool, args: argparse.Namespace, vocab: i
     if profiler is not None:
         callbacks.append(profiler)
     strategy = BlockwiseStrategy(
-        block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq
+        vram_budget=None, block_size=args.block_size, prefetch_depth=args.prefetch_depth, budget_tokens=args.seq
     )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=args.warmup + args.steps,

@@ -6,7 +6,8 @@ projections, bf16-mixed, batch 1, AdamW), for each ``--seq``:
 1. ``--profile-steps`` steps of each arm under ``torch.profiler``: GPU busy time (the union of all kernels), copies,
    kernels, launches and host synchronizations per step, memory copies by kind, the top host operations (the
    profiler slows the host: its wall times are not step times);
-2. ``resident`` (no checkpointing, the yardstick) and ``blockwise:1:2`` (``BlockwiseStrategy()`` defaults) through
+2. ``resident`` (no checkpointing, the yardstick) and ``blockwise:1:2`` (``BlockwiseStrategy(vram_budget=None)``:
+   every block streamed) through
    ``step_benchmark.run_arm``, alternated ``--repeats`` times in rotated order (run-order drift shows as spread);
 3. the resident step's parts outside Lightning, each synchronized: the decoder's forward under ``no_grad``
    (``step_benchmark.forward_nograd``), the whole model's forward with grad (head and loss included), its backward;
@@ -295,7 +296,15 @@ def traced_blockwise(model: nn.Module, steps: int, warmup: int, seq: int, det: b
         for key, (owner, name) in HOST_PARTS.items():
             stack.enter_context(_host_timed(owner, name, tracer.host, key))
         stack.enter_context(_recompute_marks(tracer.trace))
-        _fit(model, BlockwiseStrategy(budget_tokens=seq), [tracer], warmup + steps, model_vocab(model), seq, det)
+        _fit(
+            model,
+            BlockwiseStrategy(vram_budget=None, budget_tokens=seq),
+            [tracer],
+            warmup + steps,
+            model_vocab(model),
+            seq,
+            det,
+        )
     return {key: _median([step[key] for step in tracer.steps]) for key in tracer.steps[0]}
 
 
@@ -435,7 +444,7 @@ def breakdown(model: nn.Module, args: argparse.Namespace, seq: int) -> dict[str,
     """Every measurement of one sequence length, in the module docstring's order."""
     vocab, det = model_vocab(model), args.deterministic
     profiles = {}
-    for arm, strategy in ((RESIDENT, "auto"), (BLOCKWISE, BlockwiseStrategy(budget_tokens=seq))):
+    for arm, strategy in ((RESIDENT, "auto"), (BLOCKWISE, BlockwiseStrategy(vram_budget=None, budget_tokens=seq))):
         name = f"{args.shape}_{seq}_{arm.split(':')[0]}.json.gz"
         keep = None if args.trace_dir is None else Path(args.trace_dir) / name
         profiles[arm] = profiled(model, strategy, args.profile_steps, args.warmup, seq, det, keep)
