@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning.pytorch.strategies import Strategy
@@ -29,8 +28,10 @@ def load_base(
     """The frozen base of ``checkpoint``: random (``random_init``), packed for ``BlockwiseStrategy``, or standard.
 
     A random base for ``BlockwiseStrategy`` (unless ``loader="standard"``) is built by ``random_blockwise``, one
-    layer at a time into the host arena, seeded with ``torch.initial_seed()`` (``seed_everything``'s seed); other
-    strategies get ``random_nf4_model`` on their device (or a dense model on the CPU).
+    layer at a time into the host arena; other strategies get ``random_nf4_model`` on their device. Both draw the
+    same bytes from ``torch.initial_seed()`` (``seed_everything``'s seed) and leave the global RNGs as they found
+    them, so the adapters' initialisation and the dropout masks that follow are the same under every strategy
+    (blockwise == resident for the recipe's module).
 
     Args are ``CausalLMFineTune``'s; ``strategy`` is the Trainer's (``None``: no Trainer, the CPU).
 
@@ -59,7 +60,10 @@ def load_base(
                 block_size=strategy.block_size,
                 quantize=quantize,
             )
-        return random_nf4_model(config, device, compute_dtype=dtype) if quantize else _random_dense(config, dtype)
+        # What `random_blockwise` does: seeded by `seed_everything`'s seed, the caller's RNG state left as it was.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(torch.initial_seed())
+            return random_nf4_model(config, device, compute_dtype=dtype, quantize=quantize)
     if blockwise and loader != "standard":
         assert isinstance(strategy, BlockwiseStrategy)
         return load_blockwise(
@@ -96,16 +100,6 @@ def add_adapters(
         task_type="CAUSAL_LM",
     )
     return get_peft_model(base, lora)
-
-
-def _random_dense(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-init dense model of ``config`` in ``dtype``, built on the CPU with the model's own init.
-
-    On the CPU, not the device: a dense base is 2 bytes per parameter (64 GB at 32B), which the
-    blockwise strategy keeps in host memory anyway and would only have to copy back.
-    """
-    with torch.device("cpu"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).train()
 
 
 def check_adapter_dir(path: str) -> None:

@@ -11,7 +11,11 @@ from lightning_blockwise.loading.random_draws import random_linear, random_param
 
 
 def random_nf4_model(
-    config: PretrainedConfig, device: torch.device | str, compute_dtype: torch.dtype = torch.bfloat16, std: float = 0.02
+    config: PretrainedConfig,
+    device: torch.device | str,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    std: float = 0.02,
+    quantize: bool = True,
 ) -> PreTrainedModel:
     """A random-init NF4 (double quant) model of ``config``'s shape, quantized one linear at a time on ``device``.
 
@@ -29,10 +33,11 @@ def random_nf4_model(
         device: Where the model is built and quantized.
         compute_dtype: The 4-bit linears' compute dtype and the dtype of every other parameter.
         std: Standard deviation of the random weights.
+        quantize: NF4 linears (default); ``False``: dense linears holding the same draws, in ``compute_dtype``.
 
     Returns:
-        The model in train mode, with ``is_loaded_in_4bit`` set (what PEFT reads to pick its
-        bitsandbytes LoRA layer).
+        The model in train mode, with ``is_loaded_in_4bit`` set unless ``quantize=False`` (what PEFT reads to
+        pick its bitsandbytes LoRA layer).
     """
     device = torch.device(device)
 
@@ -42,7 +47,7 @@ def random_nf4_model(
     # NOTE [ Random draw order ] in loading/random_draws.py: `random_blockwise` builds these bytes layer by layer.
     for name, linear in list(model.named_modules()):
         if isinstance(linear, nn.Linear) and linear is not head:
-            model.set_submodule(name, random_linear(linear, device, compute_dtype, std))
+            model.set_submodule(name, random_linear(linear, device, compute_dtype, std, quantize))
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
@@ -56,7 +61,8 @@ def random_nf4_model(
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != device.type]
     if left:
         raise RuntimeError(f"random_nf4_model: {', '.join(left[:5])} were not built on {device}; this is a bug.")
-    model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
+    if quantize:
+        model.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layer
     return model.train()
 
 

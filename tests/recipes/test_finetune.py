@@ -225,9 +225,9 @@ class _Losses(pl.Callback):
         self.losses.append(outputs["loss"].detach().clone())
 
 
-def _long_context_run(checkpoint: Path, strategy: object, tmp_path: Path, **options: Any) -> Tensor:
+def _long_context_run(checkpoint: Path, strategy: object, tmp_path: Path, seed: int = 0, **options: Any) -> Tensor:
     """The losses of 3 steps of a seeded CausalLMFineTune run with ``options``, LoRA dropout on."""
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(seed, verbose=False)
     module = CausalLMFineTune(str(checkpoint), lora_r=4, compute_dtype="float32", warmup_steps=1, **options)
     losses = _Losses()
     fitter = trainer(strategy, max_steps=3, accumulate_grad_batches=1, default_root_dir=tmp_path, callbacks=[losses])
@@ -333,6 +333,23 @@ def test_random_init_dense(tmp_path: Path) -> None:
     _fit_finetune(module, "blockwise", tmp_path)
     q_proj = module.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
     assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("quantize", [True, False], ids=["nf4", "dense"])
+def test_random_init_trains_the_same_run_under_every_strategy(tmp_path: Path, quantize: bool) -> None:
+    """`random_init` builds the base in the host arena under blockwise and on the device otherwise: the same bytes
+    and the same RNG state after, so the adapters' init and the dropout masks match (blockwise == resident).
+
+    Control: the resident run seeded otherwise differs.
+    """
+    config_dir = tmp_path / "config-only"
+    MODEL_CONFIGS["llama"]().save_pretrained(config_dir)
+    options = {"random_init": True, "quantize": quantize}
+    resident = _long_context_run(config_dir, "auto", tmp_path / "auto", **options)
+    blockwise = _long_context_run(config_dir, BlockwiseStrategy(), tmp_path / "blockwise", **options)
+    assert torch.equal(resident, blockwise), (resident, blockwise)
+    other = _long_context_run(config_dir, "auto", tmp_path / "other", seed=1, **options)
+    assert not torch.equal(resident, other)
 
 
 def test_a_resume_with_nothing_left_to_train_exports_the_restored_adapter(
