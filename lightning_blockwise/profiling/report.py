@@ -187,7 +187,7 @@ def draw_timeline(timeline: Timeline, path: Path, device: torch.device) -> None:
             runs.append((block, phase, start, end))
     figure = Figure(figsize=(14, 3.2))
     axes = figure.add_subplot()
-    colors = {Pass.FORWARD: "tab:blue", Pass.BACKWARD: "tab:green"}
+    colors = {Pass.FORWARD: "tab:blue", Pass.BACKWARD: "tab:green", Pass.REPLAY: "tab:purple"}
     for block, phase, start, end in runs:
         axes.broken_barh([(start, end - start)], (0.1, 0.8), color=colors[phase], edgecolor="white", linewidth=0.5)
         axes.text((start + end) / 2, 0.5, str(block), ha="center", va="center", fontsize=6, color="white")
@@ -208,6 +208,7 @@ def draw_timeline(timeline: Timeline, path: Path, device: torch.device) -> None:
         handles=[
             Patch(color="tab:blue", label="forward"),
             Patch(color="tab:green", label="backward (recompute)"),
+            Patch(color="tab:purple", label="replay (input checkpoints)"),
             Patch(color="tab:orange", label="copy"),
             Patch(color="tab:red", label="compute waits for a copy"),
         ],

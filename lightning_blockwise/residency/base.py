@@ -22,6 +22,9 @@ class Pass(Enum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    #: A forward run inside the backward that recomputes layer inputs not kept (NOTE [ Input checkpoints ] in
+    #: replay/segments.py): layers in forward order, between backward runs.
+    REPLAY = "replay"
 
 
 class Residency(ABC):
