@@ -17,6 +17,7 @@ from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.hooks import hooks_once, hooks_silenced
 from lightning_blockwise.replay.kept import KeptFunction
 from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.replay.segments import segment_for
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass, Residency
 
@@ -74,6 +75,8 @@ class RematLayer:
         offload: Where the layer's input waits for the backward; ``None`` keeps it on the device.
         to_host: With an ``offload``, whether the input goes to host memory (else it is kept on the device, on the
             offload's stack: NOTE [ Split layer inputs ] in residency/activations.py).
+        checkpoint_every: Keep the input only if it starts a segment of this many layers, and replay the segment
+            in the backward for the others (NOTE [ Input checkpoints ] in segments.py); ``None``: always keep it.
         keep: Keep the forward's graph to the backward instead of recomputing it (a layer of a
             streamed block whose activations fit the budget: NOTE [ Kept graphs of streamed blocks ]
             in kept.py).
@@ -88,6 +91,7 @@ class RematLayer:
         offload: ActivationOffload | None = None,
         keep: bool = False,
         to_host: bool = True,
+        checkpoint_every: int | None = None,
     ) -> None:
         self.layer = layer
         self.index = index
@@ -95,6 +99,7 @@ class RematLayer:
         self.residency = residency
         self.offload = offload
         self.to_host = to_host
+        self.checkpoint_every = checkpoint_every
         self.keep = keep
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
@@ -171,7 +176,13 @@ class _RematFunction(torch.autograd.Function):
         ctx.below = hidden.grad_fn if isinstance(hidden.grad_fn, _RematFunction._backward_cls) else None
         # The offload the forward used, even if the strategy switches it before the backward.
         ctx.offload = remat.offload
-        if ctx.offload is None:
+        ctx.segment = None
+        if remat.checkpoint_every is not None:
+            # NOTE [ Input checkpoints ] in segments.py: the input is kept only where a segment starts.
+            every, offload, to_host = remat.checkpoint_every, ctx.offload, remat.to_host
+            ctx.segment, ctx.position = segment_for(ctx.below, every, remat, call, rng, hidden, offload, to_host)
+            ctx.output_version = output._version
+        elif ctx.offload is None:
             ctx.save_for_backward(hidden)
         elif remat.to_host:
             ctx.saved_input = ctx.offload.save(hidden)
@@ -183,7 +194,9 @@ class _RematFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         remat: RematLayer = ctx.remat
         _refuse_a_bypass(ctx, grad_output)
-        if ctx.offload is None:
+        if ctx.segment is not None:
+            hidden = ctx.segment.input_of(ctx.position)
+        elif ctx.offload is None:
             (hidden,) = ctx.saved_tensors
         else:
             hidden = ctx.offload.load(ctx.saved_input)
@@ -244,11 +257,13 @@ def install(
     offload: ActivationOffload | None = None,
     keep: Collection[int] = (),
     to_host: Collection[int] | None = None,
+    checkpoint_every: int | None = None,
 ) -> None:
     """Install a :class:`RematLayer` as the ``forward`` of each layer, in place; those in ``keep`` keep their graphs.
 
     With an ``offload``, the inputs of the layers in ``to_host`` (``None``: all) wait in host memory, the
-    others on the device (NOTE [ Split layer inputs ] in residency/activations.py).
+    others on the device (NOTE [ Split layer inputs ] in residency/activations.py). With ``checkpoint_every``
+    only every so many layers' inputs are kept, the others replayed (NOTE [ Input checkpoints ] in segments.py).
 
     Parameter names, ``state_dict`` keys and the layer classes are unchanged; only the
     instances get a ``forward`` attribute (removed by :func:`uninstall`). Hugging Face's own
@@ -258,7 +273,16 @@ def install(
     for index, (layer, layer_params) in enumerate(zip(layers, params, strict=True)):
         uninstall([layer])
         host = to_host is None or index in to_host
-        layer.forward = RematLayer(layer, index, layer_params, residency, offload, keep=index in keep, to_host=host)
+        layer.forward = RematLayer(
+            layer,
+            index,
+            layer_params,
+            residency,
+            offload,
+            keep=index in keep,
+            to_host=host,
+            checkpoint_every=checkpoint_every,
+        )
         layer.gradient_checkpointing = False
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +16,12 @@ from lightning_blockwise.residency.layout import BlockLayout
 
 # NOTE [ Slot reuse ]
 # A slot is refilled only after every kernel that reads the block it holds has finished.
-# ``release`` of a block's last layer in a pass records a ``freed`` event on the compute
-# stream right behind that layer's kernels; a copy into the slot first makes the copy
-# stream wait on that event. A layer reads its block only between ``acquire`` and
-# ``release`` (remat.py keeps each recompute graph inside that span, NOTE [ Graphs do
-# not outlive residency ]), so the event covers every read. In the other direction,
+# Every ``release`` records the slot's ``freed`` event on the compute stream right behind
+# the layer's kernels (not only a block's last layer in a pass: a replay of input checkpoints
+# may stop inside a block); a copy into the slot first makes the copy stream wait on it.
+# A layer reads its block only between ``acquire`` and ``release`` (remat.py keeps each
+# recompute graph inside that span, NOTE [ Graphs do not outlive residency ]), so the
+# event covers every read. In the other direction,
 # ``acquire`` makes the compute stream wait on the slot's ``copied`` event before the
 # layer's first kernel. Slots are allocated once and never freed while streaming, so
 # the caching allocator never hands their memory to anything else and no
@@ -42,23 +43,33 @@ from lightning_blockwise.residency.layout import BlockLayout
 #
 # NOTE [ Prefetch order ]
 # Blocks are needed 0..K-1 in the forward and K-1..0 in the backward. On each acquire the
-# streamer starts copies for the next ``prefetch_depth`` blocks in the pass's direction.
-# With ``prefetch_depth + 1`` slots the blocks that end the forward are still resident when
-# the backward starts at them, and the blocks that end the backward are resident when the
-# next forward starts: no block is loaded twice in a row. An evicted block is rebound to
-# its host slab (no copy), so every module tensor always names memory that holds its value:
-# a state_dict, a checkpoint or a stray read after eviction sees the right bytes.
+# streamer starts copies for the next ``prefetch_depth`` blocks of the step's order (the
+# window: the block in use and those). With ``prefetch_depth + 1`` slots the blocks that end
+# the forward are still resident when the backward starts at them, and the blocks that end
+# the backward are resident when the next forward starts: no block is loaded twice in a row.
+# With input checkpoints every ``k`` layers (NOTE [ Input checkpoints ] in replay/segments.py)
+# the backward's order is no longer a sweep: before its layers ``c+k-1..c`` run backward, a
+# replay runs ``c..c+k-2`` forward, so blocks are needed ``..., c+k`` (backward), ``c..c+k-2``
+# (replay), ``c+k-1..c`` (backward), ``c-k..`` (replay), ... ``step_order`` gives that order
+# and the window follows it, so the replay's first blocks are copied while the layer above the
+# segment still runs. An evicted block is rebound to its host slab (no copy), so every module
+# tensor always names memory that holds its value: a state_dict, a checkpoint or a stray read
+# after eviction sees the right bytes.
 #
 # NOTE [ Slot affinity ]
 # Each streamed block has one home slot, its position among the streamed blocks modulo the
-# number of slots, and is only ever copied there. A window of ``prefetch_depth + 1``
-# consecutive streamed blocks covers every slot once, so the block a copy evicts is never
-# one the window still needs: in a sweep this is the least recently used slot, as before.
-# What the home slot buys: a block comes back to the very addresses it had in the forward.
-# A kept layer of a streamed block (NOTE [ Kept graphs of streamed blocks ] in
-# replay/kept.py) holds, in its graph, views of its block's slot made in the forward
-# (bitsandbytes' ``MatMul4Bit`` keeps the packed weight so); once ``acquire`` has brought
-# the block back for the backward, those views read its bytes again.
+# number of slots. A window of ``prefetch_depth + 1`` consecutive streamed blocks covers
+# every slot once, so in a sweep the home slot never holds a block the window still needs
+# and every copy goes there: the least recently used slot, as an LRU would pick. What the
+# home slot buys: a block comes back to the very addresses it had in the forward. A kept
+# layer of a streamed block (NOTE [ Kept graphs of streamed blocks ] in replay/kept.py)
+# holds, in its graph, views of its block's slot made in the forward (bitsandbytes'
+# ``MatMul4Bit`` keeps the packed weight so); once ``acquire`` has brought the block back
+# for the backward, those views read its bytes again. The replays of input checkpoints
+# break the sweep: a window may hold two blocks of one home slot. Then a block goes to the
+# least recently used slot whose block the window does not need, except a block with kept
+# layers (``homebound``), which only ever goes home: it waits for its own acquire rather than
+# be prefetched, and then evicts whatever is there (never the block in use: that is itself).
 #
 # NOTE [ Stream observer ]
 # The streamer tells its ``observer`` where copies, waits and layer runs begin and end, at
@@ -103,6 +114,40 @@ class StreamObserver:
         """The last kernel of layer ``layer`` in ``phase`` has been issued on the compute stream."""
 
 
+def step_order(layer: int, phase: Pass, num_layers: int, every: int | None) -> Iterator[tuple[int, Pass]]:
+    """The layer runs that follow ``layer``'s run in ``phase`` within a training step (NOTE [ Prefetch order ]).
+
+    The forward runs ``0..num_layers-1``, then the backward. Without input checkpoints (``every`` ``None``)
+    the backward runs the layers in reverse. With them, the layers form segments ``[c, c+every)`` from
+    ``c = 0``; from the top segment down, the backward replays ``c..t-1`` (``t`` the segment's top layer)
+    and then runs ``t..c`` backward (NOTE [ Input checkpoints ] in replay/segments.py).
+    """
+    if phase is Pass.FORWARD:
+        yield from ((i, Pass.FORWARD) for i in range(layer + 1, num_layers))
+        below = num_layers
+    else:
+        first, top = _segment_of(layer, every, num_layers)
+        if phase is Pass.REPLAY:
+            yield from ((i, Pass.REPLAY) for i in range(layer + 1, top))
+            yield from ((i, Pass.BACKWARD) for i in range(top, first - 1, -1))
+        else:
+            yield from ((i, Pass.BACKWARD) for i in range(layer - 1, first - 1, -1))
+        below = first
+    while below > 0:
+        first, top = _segment_of(below - 1, every, num_layers)
+        yield from ((i, Pass.REPLAY) for i in range(first, top))
+        yield from ((i, Pass.BACKWARD) for i in range(top, first - 1, -1))
+        below = first
+
+
+def _segment_of(layer: int, every: int | None, num_layers: int) -> tuple[int, int]:
+    """The first and the top layer of ``layer``'s segment (a layer alone without input checkpoints)."""
+    if every is None:
+        return layer, layer
+    first = layer - layer % every
+    return first, min(first + every, num_layers) - 1
+
+
 class BlockStreamer(Residency):
     """Makes each block usable on ``device`` from its host slab, ahead of need.
 
@@ -117,6 +162,10 @@ class BlockStreamer(Residency):
         device: The compute device.
         prefetch_depth: Blocks copied ahead of the one in use.
         resident: Blocks copied to the device once and kept there for the whole run.
+        checkpoint_every: Layer inputs kept every this many layers, the others replayed in the backward
+            (NOTE [ Input checkpoints ] in replay/segments.py); it decides the backward's order. ``None``: all kept.
+        homebound: Blocks whose layers keep their graphs to the backward: copied to their home slot only
+            (NOTE [ Slot affinity ]).
     """
 
     def __init__(
@@ -127,11 +176,15 @@ class BlockStreamer(Residency):
         device: torch.device,
         prefetch_depth: int,
         resident: Sequence[int] = (),
+        checkpoint_every: int | None = None,
+        homebound: Sequence[int] = (),
     ) -> None:
         self.plan = plan
         self.layouts = list(layouts)
         self.device = device
         self.prefetch_depth = prefetch_depth
+        self.checkpoint_every = checkpoint_every
+        self.homebound = frozenset(homebound)
         self._host_slabs = list(host_slabs)
         self._host_views = [views(layout, slab) for layout, slab in zip(layouts, host_slabs, strict=True)]
         self.resident = frozenset(resident)
@@ -151,6 +204,9 @@ class BlockStreamer(Residency):
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._copied: list[torch.cuda.Event | None] = [None] * num_slots
         self._freed: list[torch.cuda.Event | None] = [None] * num_slots
+        # When each slot's block was last acquired, for the least recently used slot (NOTE [ Slot affinity ]).
+        self._used = [0] * num_slots
+        self._clock = 0
         self.stats = TransferStats()
         self.observer = StreamObserver()
 
@@ -165,18 +221,18 @@ class BlockStreamer(Residency):
         if block in self.resident:
             self.observer.layer_started(layer, phase)
             return
-        step = 1 if phase is Pass.FORWARD else -1
-        window = [block + step * k for k in range(self.prefetch_depth + 1)]
-        window = [b for b in window if 0 <= b < self.plan.num_blocks and b not in self.resident]
+        window = self._window(layer, phase)
         if block not in self._block_slot:
             self._fetch(block, window)
         slot = self._block_slot[block]
+        self._clock += 1
+        self._used[slot] = self._clock
         if self._cuda and self._copied[slot] is not None:
             self.observer.wait_started(block)
             torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
             self.observer.wait_finished(block)
         for ahead in window[1:]:
-            if ahead not in self._block_slot:
+            if ahead not in self._block_slot and (ahead not in self.homebound or self._home_is_free(ahead, window)):
                 self._fetch(ahead, window)
         # After the prefetches: on the CPU they are synchronous copies, not part of the layer's run.
         self.observer.layer_started(layer, phase)
@@ -187,25 +243,44 @@ class BlockStreamer(Residency):
         block = self.plan.block_of(layer)
         if block in self.resident:
             return
-        layers = self.plan.layers_of(block)
-        last = layers[-1] if phase is Pass.FORWARD else layers[0]
-        if layer == last and self._cuda:
+        if self._cuda:
+            # Behind every layer's kernels (NOTE [ Slot reuse ]).
             slot = self._block_slot[block]
             # Recorded again, not made anew (NOTE [ Reused events ]): copies wait on the latest release only.
             freed = self._freed[slot] or torch.cuda.Event()
             freed.record(torch.cuda.current_stream(self.device))
             self._freed[slot] = freed
 
+    def _window(self, layer: int, phase: Pass) -> list[int]:
+        """The block of ``layer`` and the next ``prefetch_depth`` streamed blocks of the step's order.
+
+        See NOTE [ Prefetch order ].
+        """
+        window = [self.plan.block_of(layer)]
+        for later, _ in step_order(layer, phase, self.plan.num_layers, self.checkpoint_every):
+            block = self.plan.block_of(later)
+            if block not in self.resident and block not in window:
+                window.append(block)
+                if len(window) > self.prefetch_depth:
+                    break
+        return window
+
+    def _home_is_free(self, block: int, window: Sequence[int]) -> bool:
+        return self._slot_block[self._home[block]] not in window
+
+    def _slot_for(self, block: int, window: Sequence[int]) -> int:
+        """Where ``block`` goes: home, unless the window needs the block there (NOTE [ Slot affinity ])."""
+        home = self._home[block]
+        if block in self.homebound or self._home_is_free(block, window):
+            return home
+        free = [slot for slot, held in enumerate(self._slot_block) if held not in window]
+        return min(free, key=lambda slot: self._used[slot])
+
     def _fetch(self, block: int, window: Sequence[int]) -> None:
-        """Copy ``block`` into its home slot (NOTE [ Slot affinity ]), evicting the block there."""
-        slot = self._home[block]
+        """Copy ``block`` into a slot (NOTE [ Slot affinity ]), evicting the block there."""
+        slot = self._slot_for(block, window)
         evicted = self._slot_block[slot]
         if evicted is not None:
-            if evicted in window:
-                raise RuntimeError(
-                    f"BlockStreamer: block {block} would evict block {evicted}, which the prefetch window"
-                    f" {list(window)} still needs; the home slots do not fit this window."
-                )
             self._bind(evicted, self._host_views[evicted])
             del self._block_slot[evicted]
         layout = self.layouts[block]

@@ -46,6 +46,8 @@ class StreamedStack:
         offloaded_layers: With offload on (:meth:`offload_inputs`), how many layers, the first ones, save their
             inputs in host memory; the others keep them on the device (NOTE [ Split layer inputs ] in
             residency/activations.py). ``None``: every layer.
+        checkpoint_every: Keep every this many layers' inputs only and replay the others in the backward
+            (NOTE [ Input checkpoints ] in replay/segments.py); ``None``: keep every layer's input.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class StreamedStack:
         resident: Iterable[int] = (),
         kept: Iterable[int] = (),
         offloaded_layers: int | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
         self.layers = list(layers)
         self.plan = plan
@@ -70,6 +73,9 @@ class StreamedStack:
         self.offloaded_layers = n if offloaded_layers is None else offloaded_layers
         if not 0 <= self.offloaded_layers <= n:
             raise ValueError(f"offloaded_layers={offloaded_layers} must be between 0 and the {n} decoder layers.")
+        if checkpoint_every is not None and checkpoint_every < 2:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be at least 2 (or None: every input kept).")
+        self.checkpoint_every = checkpoint_every
         #: Kept layers whose Hugging Face gradient checkpointing was on, switched off while kept; put back at close.
         self._checkpointing_off: list[nn.Module] = []
         self._observer = StreamObserver()
@@ -96,7 +102,13 @@ class StreamedStack:
         streamed_kept = {i for block in self.kept if block not in self.resident for i in self.plan.layers_of(block)}
         to_host = range(self.offloaded_layers)
         remat.install(
-            self.layers, self._layer_params(), self.streamer, self.offload, keep=streamed_kept, to_host=to_host
+            self.layers,
+            self._layer_params(),
+            self.streamer,
+            self.offload,
+            keep=streamed_kept,
+            to_host=to_host,
+            checkpoint_every=self.checkpoint_every,
         )
         # NOTE [ Kept activations ] in planning/memory.py: a resident block never moves, so plain autograd is safe.
         kept = [self.layers[i] for block in self.kept if block in self.resident for i in self.plan.layers_of(block)]
@@ -122,7 +134,7 @@ class StreamedStack:
                 self.offload = None
         elif self.offload is None:
             pin = self.device.type == "cuda"
-            self.offload = ActivationOffload(self.device, self.offloaded_layers, slab_bytes, pin=pin)
+            self.offload = ActivationOffload(self.device, self._host_saves(), slab_bytes, pin=pin)
         else:
             self.offload.reserve(slab_bytes)
         if self.streamer is not None:
@@ -223,14 +235,23 @@ class StreamedStack:
             self.streamer.close()
             self.streamer = None
 
+    def _host_saves(self) -> int:
+        """Inputs a step saves in host memory: the offloaded layers', of those that keep theirs."""
+        every = self.checkpoint_every
+        return self.offloaded_layers if every is None else -(-self.offloaded_layers // every)
+
     def _new_streamer(self, resident: Iterable[int]) -> BlockStreamer:
+        resident = sorted(resident)
         streamer = BlockStreamer(
             self.plan,
             self.host_copy.layouts,
             self.host_copy.arena.slabs,
             self.device,
             self.prefetch_depth,
-            resident=sorted(resident),
+            resident=resident,
+            checkpoint_every=self.checkpoint_every,
+            # Streamed blocks whose layers keep graphs come back to their forward slot (NOTE [ Slot affinity ]).
+            homebound=[block for block in self.kept if block not in resident],
         )
         streamer.observer = self._observer
         return streamer

@@ -1,0 +1,86 @@
+"""Where a step's saved layer inputs go: how many on the card, how many in host memory, and one kept in how many.
+
+Pure sizing for the planner and the ``plan`` command: the strategy options it answers are
+``offload_activations`` (an integer: NOTE [ Split layer inputs ] in residency/activations.py) and
+``input_checkpoint_every`` (NOTE [ Input checkpoints ] in replay/segments.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+#: Offloaded inputs on the card at a time besides the kept ones: the one in use, the next one coming back and
+#: one being copied out (the memory model's count, planning/step_shape.py).
+INPUTS_IN_FLIGHT = 3
+
+
+class InputLevels(NamedTuple):
+    """Where the saved layer inputs of a step wait for the backward.
+
+    Attributes:
+        device_count: Inputs kept on the card.
+        host_count: Inputs in host memory (the lowest layers' ones).
+        k: One layer input kept in ``k``, the others replayed in the backward; ``None``: every input kept.
+    """
+
+    device_count: int
+    host_count: int
+    k: int | None
+
+    def offload_activations(self) -> bool | int:
+        """The strategy's ``offload_activations`` for these levels: how many layers, the first ones, offload."""
+        if self.host_count == 0:
+            return False
+        if self.device_count == 0:
+            return True
+        return self.host_count * (self.k or 1)
+
+
+def input_levels(
+    layers: int, tokens: int, hidden: int, device_bytes: int, host_bytes: int, element_bytes: int = 2
+) -> InputLevels:
+    """The cheapest way to hold a step's saved layer inputs in ``device_bytes`` of card and ``host_bytes`` of host.
+
+    Cheapest first: every input on the card; then the fewest inputs in host memory (copies cost link time
+    and pinned memory); then input checkpoints with the smallest ``k`` (each replayed layer costs a forward
+    and a third pass of weight copies), again with the fewest in host memory. With checkpoints the card also
+    holds a segment's ``k`` replayed inputs during its backward, and with any in host memory
+    :data:`INPUTS_IN_FLIGHT` more.
+
+    Args:
+        layers: Decoder layers.
+        tokens: Tokens per micro-batch.
+        hidden: Hidden size.
+        device_bytes: Card bytes free for saved inputs.
+        host_bytes: Host bytes free for saved inputs.
+        element_bytes: Bytes per element of an input (2 under bf16).
+
+    Returns:
+        The levels, e.g. ``InputLevels(device_count=8, host_count=0, k=None)``.
+
+    Raises:
+        ValueError: If no split and no ``k`` fits, saying the least card memory that would.
+    """
+    for name, value in (("layers", layers), ("tokens", tokens), ("hidden", hidden), ("element_bytes", element_bytes)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1.")
+    one = tokens * hidden * element_bytes
+    device, host = device_bytes // one, host_bytes // one
+    least = None
+    for k in [None, *range(2, layers + 1)]:
+        kept = layers if k is None else -(-layers // k)
+        replayed = 0 if k is None else k
+        for host_count in range(min(kept, host) + 1):
+            in_flight = min(host_count, INPUTS_IN_FLIGHT)
+            card = kept - host_count + replayed + in_flight
+            if card <= device:
+                return InputLevels(kept - host_count, host_count, k)
+            least = card if least is None else min(least, card)
+    raise ValueError(
+        f"the saved inputs of {layers} layers at {tokens} tokens ({one / 2**20:.1f} MiB each) do not fit"
+        f" {device_bytes / 2**30:.2f} GiB of card and {host_bytes / 2**30:.2f} GiB of host memory in any split or"
+        f" checkpoint spacing: the least card memory with this host memory is {least * one / 2**30:.2f} GiB."
+    )
+
+
+__all__ = ["INPUTS_IN_FLIGHT", "InputLevels", "input_levels"]
