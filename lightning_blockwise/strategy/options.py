@@ -73,6 +73,25 @@ def offload_split(value: bool | int | None, num_layers: int) -> tuple[bool | Non
     return value > 0, value
 
 
+def check_input_checkpoints(every: Any, block_major_accumulation: bool) -> None:
+    """Refuse an ``input_checkpoint_every`` that is not ``None`` or at least 2, or that block-major windows exclude.
+
+    NOTE [ Input checkpoints ] in replay/segments.py.
+    """
+    if every is None:
+        return
+    if isinstance(every, bool) or not isinstance(every, int) or every < 2:
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy(input_checkpoint_every={every!r})` must be None (every layer input kept) or an integer"
+            " of at least 2: the layers whose inputs are kept, one in that many, the others replayed in the backward."
+        )
+    if block_major_accumulation:
+        raise MisconfigurationException(
+            f"`BlockwiseStrategy(block_major_accumulation=True, input_checkpoint_every={every})`: a block-major window"
+            " keeps every micro-batch's layer inputs on the device and runs its own backward; drop one of the two."
+        )
+
+
 def budget_bytes(vram_budget: int | str | None) -> int | None:
     """``vram_budget`` in bytes (``None`` and ``"card"``, decided at setup, give ``None``), or a clear error."""
     if vram_budget is None or vram_budget == CARD:
@@ -103,6 +122,7 @@ def check_options(
     offload_activations: Any,
     keep_activations: Any,
     block_major_accumulation: Any,
+    input_checkpoint_every: Any,
     allow_unvalidated: Any,
     save_frozen_base: Any,
     share_host_copy: Any,
@@ -130,6 +150,7 @@ def check_options(
             "`BlockwiseStrategy(block_major_accumulation=True, offload_activations=True)`: a block-major window"
             " saves its micro-batches' layer inputs on the device; leave `offload_activations` unset (or False)."
         )
+    check_input_checkpoints(input_checkpoint_every, block_major_accumulation)
     check_device(device)
     if device is not None and parallel_devices is not None:
         raise MisconfigurationException(
@@ -180,6 +201,7 @@ __all__ = [
     "check_bool",
     "check_count",
     "check_device",
+    "check_input_checkpoints",
     "check_offload",
     "check_optional_bool",
     "check_options",
