@@ -113,6 +113,9 @@ def test_the_cards_budget_gives_way_to_streaming_where_the_set_budget_refuses(mi
     # Control: the same budget set by the user is refused.
     with pytest.raises(ValueError, match="tokens per micro-batch"):
         _budget(budget=with_offload - 1, device_limit=with_offload - 1).plan(TOKENS)
+    # Offload is decided against the card's budget (another job on the card), not the whole card's device limit.
+    shared = _budget(budget=with_offload - 1, card=True, device_limit=100 * with_offload).plan(TOKENS)
+    assert shared.over_card is not None and shared.offload is True
     # And a card's budget that holds the step plans with it, saying nothing.
     assert _budget(budget=10 * with_offload, card=True).plan(TOKENS).over_card is None
 

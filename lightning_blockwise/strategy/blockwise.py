@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from lightning_blockwise.strategy.accumulation import (
 )
 from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.strategy.checkpointing import FrozenBase
-from lightning_blockwise.strategy.device_memory import card_budget, check_cap
+from lightning_blockwise.strategy.device_memory import CardBudget, card_budget, check_cap
 from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
 from lightning_blockwise.strategy.options import (
     CARD,
@@ -49,6 +50,9 @@ from lightning_blockwise.strategy.step_budget import StepBudget, device_bytes
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, declared_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
+
+# Lightning's own logger, which it shows at INFO on every rank (rank_zero_info shows rank 0 only).
+log = logging.getLogger("lightning.pytorch")
 
 
 class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
@@ -68,7 +72,6 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
     - ``budget_tokens``: the micro-batch to plan for at setup where the data module does not declare it.
     - ``offload_activations``: saved layer inputs in host memory, for contexts the card holds no other way.
     - ``keep_activations``: spend the budget on not recomputing (default) or on residency alone (link-bound steps).
-    - ``input_checkpoint_every``: keep one layer input in k, replay the rest: less memory, a third weight pass.
     - ``block_major_accumulation``: one copy of each block per accumulation window instead of one per micro-batch.
     - ``share_host_copy``: one host copy of the base for the processes of a machine that train on it.
     - ``save_frozen_base``: self-contained checkpoints instead of lean ones.
@@ -103,11 +106,6 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
             holds what training changes and a fingerprint of the base (NOTE [ Lean checkpoints ] in checkpointing.py).
-        input_checkpoint_every: Keep the saved input of one layer in ``k`` only (layers ``0, k, 2k, ...``; on the
-            device or in host memory as ``offload_activations`` says for that layer); in the backward each segment
-            of ``k`` layers is first replayed forward from its kept input to recompute the others (NOTE [ Input
-            checkpoints ] in replay/segments.py). Exact; about a third more weight traffic and forward compute.
-            ``None`` (default): every layer's input is kept. Not with ``block_major_accumulation``.
         block_major_accumulation: With ``Trainer(accumulate_grad_batches=G)``, copy each block once for the forward of a
             window's G micro-batches and once for their backward, instead of G times each: a window's training steps
             run layer by layer (NOTE [ Block-major accumulation ] in replay/block_major.py; a window's batches are read
@@ -157,7 +155,6 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         save_frozen_base: bool = False,
         share_host_copy: bool | None = None,
         block_major_accumulation: bool = False,
-        input_checkpoint_every: int | None = None,
         accelerator: Accelerator | None = None,
         device: _DEVICE | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -175,7 +172,6 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             offload_activations=offload_activations,
             keep_activations=keep_activations,
             block_major_accumulation=block_major_accumulation,
-            input_checkpoint_every=input_checkpoint_every,
             allow_unvalidated=allow_unvalidated,
             save_frozen_base=save_frozen_base,
             share_host_copy=share_host_copy,
@@ -194,9 +190,11 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         )
         self.block_size = block_size
         self.prefetch_depth = prefetch_depth
-        #: Whether the budget is the card's, decided at setup (then ``vram_budget`` holds its bytes for the run).
-        self.card_budget = vram_budget == CARD
+        #: Whether the run plans for the card's budget (``vram_budget="card"``), measured at each setup.
+        self.uses_card = vram_budget == CARD
+        #: The user's budget in bytes; ``None`` with ``"card"`` (see :attr:`planned_budget`) or no budget.
         self.vram_budget = budget_bytes(vram_budget)
+        self._card: CardBudget | None = None
         self.budget_tokens = budget_tokens
         self.offload_activations = offload_activations
         self.keep_activations = keep_activations
@@ -205,7 +203,6 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         self.save_frozen_base = save_frozen_base
         self.share_host_copy = share_host_copy
         self.block_major_accumulation = block_major_accumulation
-        self.input_checkpoint_every = input_checkpoint_every
         self._block_major: BlockMajorSteps | None = None
         self.plan: BlockPlan | None = None
         self._observer = StreamObserver()
@@ -241,7 +238,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
-        elif self.vram_budget is not None and not self.card_budget:
+        elif self.vram_budget is not None:
             rank_zero_warn(
                 f"{self._budget_owner} has no effect on the {self.root_device.type.upper()}: the frozen base already"
                 " lives in host memory, so every block counts as resident and nothing streams or is capped. Drop"
@@ -265,29 +262,30 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         )
         owner = self._budget_owner
         offload, offloaded_layers = offload_split(self.offload_activations, len(self._stack.layers))
-        cap = None if self.card_budget else self.vram_budget
-        for change in self._placement.place(self.lightning_module, self._stack, device, cap, owner):
+        for change in self._placement.place(self.lightning_module, self._stack, device, self.vram_budget, owner):
             rank_zero_info(f"BlockwiseStrategy: {change}.")
-        if self.card_budget and device.type == "cuda":
-            # NOTE [ The card as the default budget ] in device_memory.py: planned for, not set as a cap.
+        self._card = None
+        if self.uses_card and device.type == "cuda":
+            # NOTE [ The card as the default budget ] in device_memory.py: planned for, not set as a cap. Every rank
+            # measures its own card, so every rank says what it found.
             held = torch.cuda.memory_allocated(device) - device_bytes(self.lightning_module, device)
-            card = card_budget(device, held_outside=max(0, held))
-            self.vram_budget = card.budget
-            rank_zero_info(f"BlockwiseStrategy: vram_budget='card': {card.why}.")
+            self._card = card_budget(device, held_outside=max(0, held))
+            rank = f" (rank {self.global_rank})" if self.world_size > 1 else ""
+            log.info(f"BlockwiseStrategy{rank}: vram_budget='card': {self._card.why}.")
         budget = StepBudget.for_module(
             self.lightning_module,
             self._stack.model,
             block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
             device=device,
             prefetch_depth=self.prefetch_depth,
-            budget=self.vram_budget,
+            budget=self.planned_budget,
             offload=offload,
             offloaded_layers=offloaded_layers,
             block_layers=self.plan.layers_per_block,
             keep_activations=self.keep_activations,
             window=self._block_major.window if self._block_major is not None else 1,
             ranks=self.world_size,
-            card=self.card_budget,
+            card=self._card is not None,
         )
         self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
@@ -305,17 +303,22 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             plan.residency.resident,
             plan.residency.kept,
             offloaded_layers,
-            self.input_checkpoint_every,
         )
         self._layers.set_observer(self._observer)
         self._planner.attach(self._layers)
 
     @property
     def _budget_owner(self) -> str:
-        if self.card_budget:
-            planned = "" if self.vram_budget is None else f", here {format_gib(self.vram_budget)}"
+        if self.uses_card:
+            budget = None if self._card is None else self._card.budget
+            planned = "" if budget is None else f", here {format_gib(budget)}"
             return f"`BlockwiseStrategy(vram_budget='card')` (the default: the card's free memory{planned})"
         return f"`BlockwiseStrategy(vram_budget={self.vram_budget})`"
+
+    @property
+    def planned_budget(self) -> int | None:
+        """The budget the run plans for: the user's ``vram_budget``, or the card's measured at setup, else ``None``."""
+        return self._card.budget if self._card is not None else self.vram_budget
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -351,6 +354,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             self._layers.close()
             self._layers = None
         self._placement.restore()
+        self._card = None
         self._stack = None
         super().teardown()
 

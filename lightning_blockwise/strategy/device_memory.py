@@ -76,7 +76,8 @@ def check_cap(device: torch.device, budget: int | None) -> None:
         raise ValueError(
             f"{_CONF_VARIABLE} turns expandable segments off, and without them the caching allocator cannot be held"
             f" to the budget of {format_gib(budget)} (it ran out of memory under a cap of 1.10x its allocated peak)."
-            f" Remove `expandable_segments:False` from {_CONF_VARIABLE}, or leave `vram_budget` unset."
+            f" Remove `expandable_segments:False` from {_CONF_VARIABLE}, or pass `vram_budget=None` (every block"
+            " streamed, no cap)."
         )
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     limit = int(fraction * torch.cuda.get_device_properties(device).total_memory)
@@ -132,7 +133,7 @@ def apply_cap(device: torch.device, budget: int | None, held_outside: int = 0) -
 # job or a peer on the card is respected through both), less what the process holds outside the
 # module and a margin for memory that appears outside the caching allocator during the run (NCCL's
 # buffers under DDP, kernels loaded at the first step, the CUDA context's growth): 1 GiB, or 3% of
-# the card's limit on cards over 33 GiB. Blocks that fit it stay resident and keep their activations,
+# what the process may use where that is over 33 GiB. Blocks that fit it stay resident and keep their activations,
 # the rest streams, and layer inputs go to host memory only when the step needs it, as with a set
 # budget (the same planner, the same 10% allocator headroom). Unlike a set budget it does not cap the
 # allocator: the card is the cap already, and a run that outgrows its plan would run out of memory

@@ -28,6 +28,7 @@ class BlockwiseQueries:
     _host_copy: HostCopy | None
     _observer: StreamObserver
     vram_budget: int | None
+    planned_budget: int | None  # the strategy's property
     root_device: torch.device  # the strategy's property
 
     @property
@@ -81,7 +82,7 @@ class BlockwiseQueries:
         :meth:`resident_prefix_bytes` to see how many blocks fit.
         """
         assert self.residency_plan is not None
-        return reference_headroom(self.root_device, self.vram_budget, self.residency_plan.predicted_peak)
+        return reference_headroom(self.root_device, self.planned_budget, self.residency_plan.predicted_peak)
 
     @property
     def observer(self) -> StreamObserver:

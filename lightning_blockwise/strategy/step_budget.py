@@ -198,7 +198,9 @@ class StepBudget:
             if not self.card or self.budget is None:
                 raise
             refusal = error
-        streamed = replace(self, budget=None, card=False)._plan(tokens)
+        # Unbudgeted, but offload decided against the card's budget (what this process may use, another job on the
+        # card respected), not against the whole card's `device_limit`.
+        streamed = replace(self, budget=None, card=False, device_limit=self.budget)._plan(tokens)
         why = (
             f"the card's budget of {format_gib(self.budget)} is below what the plan predicts ({refusal}); every block"
             " streams instead, unbudgeted. The prediction counts a loss the module does not declare as Hugging"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
 from lightning_blockwise.strategy.step_tokens import batch_tokens
@@ -104,7 +104,8 @@ class StepPlanner:
         with budget_errors(self.owner):
             plan = self.budget.plan(tokens)
         if plan.over_card is not None:
-            rank_zero_warn(f"BlockwiseStrategy: at {tokens} tokens per micro-batch, {plan.over_card}.")
+            # Every rank plans for its own card: each says so (not rank 0 alone).
+            warnings.warn(f"BlockwiseStrategy: at {tokens} tokens per micro-batch, {plan.over_card}.", stacklevel=2)
         return plan
 
     def _adopt(self, plan: StepPlan) -> None:
