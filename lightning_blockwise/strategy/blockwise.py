@@ -72,6 +72,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
     - ``budget_tokens``: the micro-batch to plan for at setup where the data module does not declare it.
     - ``offload_activations``: saved layer inputs in host memory, for contexts the card holds no other way.
     - ``keep_activations``: spend the budget on not recomputing (default) or on residency alone (link-bound steps).
+    - ``input_checkpoint_every``: keep one layer input in k, replay the rest: less memory, a third weight pass.
     - ``block_major_accumulation``: one copy of each block per accumulation window instead of one per micro-batch.
     - ``share_host_copy``: one host copy of the base for the processes of a machine that train on it.
     - ``save_frozen_base``: self-contained checkpoints instead of lean ones.
@@ -106,6 +107,11 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
             holds what training changes and a fingerprint of the base (NOTE [ Lean checkpoints ] in checkpointing.py).
+        input_checkpoint_every: Keep the saved input of one layer in ``k`` only (layers ``0, k, 2k, ...``; on the
+            device or in host memory as ``offload_activations`` says for that layer); in the backward each segment
+            of ``k`` layers is first replayed forward from its kept input to recompute the others (NOTE [ Input
+            checkpoints ] in replay/segments.py). Exact; about a third more weight traffic and forward compute.
+            ``None`` (default): every layer's input is kept. Not with ``block_major_accumulation``.
         block_major_accumulation: With ``Trainer(accumulate_grad_batches=G)``, copy each block once for the forward of a
             window's G micro-batches and once for their backward, instead of G times each: a window's training steps
             run layer by layer (NOTE [ Block-major accumulation ] in replay/block_major.py; a window's batches are read
@@ -155,6 +161,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         save_frozen_base: bool = False,
         share_host_copy: bool | None = None,
         block_major_accumulation: bool = False,
+        input_checkpoint_every: int | None = None,
         accelerator: Accelerator | None = None,
         device: _DEVICE | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -172,6 +179,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             offload_activations=offload_activations,
             keep_activations=keep_activations,
             block_major_accumulation=block_major_accumulation,
+            input_checkpoint_every=input_checkpoint_every,
             allow_unvalidated=allow_unvalidated,
             save_frozen_base=save_frozen_base,
             share_host_copy=share_host_copy,
@@ -203,6 +211,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         self.save_frozen_base = save_frozen_base
         self.share_host_copy = share_host_copy
         self.block_major_accumulation = block_major_accumulation
+        self.input_checkpoint_every = input_checkpoint_every
         self._block_major: BlockMajorSteps | None = None
         self.plan: BlockPlan | None = None
         self._observer = StreamObserver()
@@ -303,6 +312,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             plan.residency.resident,
             plan.residency.kept,
             offloaded_layers,
+            self.input_checkpoint_every,
         )
         self._layers.set_observer(self._observer)
         self._planner.attach(self._layers)
