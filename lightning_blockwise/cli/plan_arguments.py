@@ -120,7 +120,11 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=_positive_int, default=1, help="Decoder layers per block (default: 1).")
     parser.add_argument("--prefetch-depth", type=_positive_int, default=2, help="Blocks copied ahead (default: 2).")
     parser.add_argument(
-        "--vram-budget", type=_memory_size, default=None, help="The strategy's vram_budget, e.g. 16GiB (default: none)."
+        "--vram-budget",
+        type=_memory_size,
+        default=None,
+        help="A vram_budget to plan for, e.g. 16GiB (default: none; the strategy's own default, 'card', is the"
+        " card's free memory at setup: see --gpu-memory).",
     )
     parser.add_argument(
         "--gpu-memory",

@@ -9,7 +9,7 @@ prints the answers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_blockwise.planning.footprint import ModelSizes
@@ -100,11 +100,16 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
     every = machine.recompute_every
     input_bytes = tokens * _text(sizes.config).hidden_size * sizes.activation_bytes
     segment = 0 if not every else (every - 1) * input_bytes * (100 + ALLOCATOR_HEADROOM_PERCENT) // 100
+    # The k - 1 inputs a segment recomputes sit on the card beside the step: what is left of the card is planned for,
+    # and where nothing usable is left the card binds (never a larger card than the one asked about).
+    left = machine.card - segment
     advice = recommend(
-        sizes, max(machine.card - segment, SMALLEST_CARD), tokens, machine.prefetch_depth, machine.offload,
+        sizes, max(left, SMALLEST_CARD), tokens, machine.prefetch_depth, machine.offload,
         machine.loss_chunk_tokens, machine.mlp_tile_tokens,
     )  # fmt: skip
     advice = _with_card(advice, machine.card)
+    if left < SMALLEST_CARD:
+        advice = replace(advice, plan=None)
     offloaded = advice.offload_host_bytes
     if every and offloaded:
         offloaded = -(-sizes.num_layers // every) * input_bytes

@@ -84,6 +84,15 @@ def test_a_second_level_recompute_divides_the_offloaded_host_bytes(sizes: dict[s
     assert host_bound is not None and recomputed is not None and recomputed.tokens > host_bound.tokens
 
 
+def test_a_recompute_whose_kept_inputs_fill_the_card_binds_the_card(sizes: dict[str, ModelSizes]) -> None:
+    # 7 inputs of 512k x 3584 x 2 B (3.8 GB each, with the allocator's headroom) leave nothing of a 24 GiB card.
+    seven = sizes["7b"]
+    crowded = context_fit(seven, Machine(24 * GiB, 2048 * GiB, recompute_every=8), 512 * 1024)
+    assert crowded.binds == ("card",) and crowded.time is None
+    # Control: the same length with every input kept (k off) is judged by the card's plan, not refused up front.
+    assert context_fit(seven, Machine(24 * GiB, 2048 * GiB), 512 * 1024).advice.gpu_memory == 24 * GiB
+
+
 def test_longest_prints_the_answer_and_settings_to_copy(capsys: pytest.CaptureFixture[str]) -> None:
     main(["plan", "--shape", "7b", "--card", "24GiB", "--host-ram", "128GiB", "--longest"])
     out = capsys.readouterr().out
