@@ -109,6 +109,13 @@ def test_deterministic_liger_blockwise_equals_resident_and_control(
     assert liger_calls["rope"] - resident_calls["rope"] == 2 * micro_batches * LAYERS, liger_calls
     assert_equal_runs(resident, blockwise)
     print(f"[gpu kernels] {name}: Liger on, {micro_batches} micro-batches, {STEPS} steps: blockwise == resident")
+    # The default budget (the card): these few layers stay resident and keep their graphs, Liger's saved tensors
+    # included (NOTE [ The card as the default budget ]): each layer runs once per micro-batch, as resident.
+    before = dict(liger_calls)
+    kept = fit_on_gpu(_builder(path, liger=True), BlockwiseStrategy(), STEPS, ACCUMULATE, SEQ)
+    assert liger_calls["rope"] - before["rope"] == micro_batches * LAYERS, liger_calls
+    assert_equal_runs(resident, kept)
+    print(f"[gpu kernels] {name}: Liger on, the card's budget (every layer kept): blockwise == resident")
 
     # Control: the switch changes the compute, so the module without it trains another function.
     plain = fit_on_gpu(_builder(path, liger=False), "auto", STEPS, ACCUMULATE, SEQ)
