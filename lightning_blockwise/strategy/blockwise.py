@@ -46,7 +46,7 @@ from lightning_blockwise.strategy.options import (
 )
 from lightning_blockwise.strategy.queries import BlockwiseQueries
 from lightning_blockwise.strategy.resumable import ResumableStrategy
-from lightning_blockwise.strategy.step_budget import StepBudget, device_bytes
+from lightning_blockwise.strategy.step_budget import StepBudget
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, declared_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
@@ -277,8 +277,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         if self.uses_card and device.type == "cuda":
             # NOTE [ The card as the default budget ] in device_memory.py: planned for, not set as a cap. Every rank
             # measures its own card, so every rank says what it found.
-            held = torch.cuda.memory_allocated(device) - device_bytes(self.lightning_module, device)
-            self._card = card_budget(device, held_outside=max(0, held))
+            self._card = card_budget(device, held_outside=self._placement.held_outside)
             rank = f" (rank {self.global_rank})" if self.world_size > 1 else ""
             log.info(f"BlockwiseStrategy{rank}: vram_budget='card': {self._card.why}.")
         budget = StepBudget.for_module(

@@ -35,6 +35,9 @@ class ModulePlacement:
         self._on_host: list[nn.Module] = []
         self._repack_flags: dict[nn.Module, bool] = {}
         self._memory_cap: DeviceMemoryCap | None = None
+        #: Device bytes the process held outside the module when it was placed (another model, a reference run's
+        #: results): on top of a budget's cap, and out of the card's budget (NOTE [ The card as the default budget ]).
+        self.held_outside = 0
 
     def place(
         self, module: nn.Module, stack: DecoderStack, device: torch.device, budget: int | None, owner: str
@@ -51,6 +54,7 @@ class ModulePlacement:
         Raises:
             MisconfigurationException: If the allocator cannot be capped at ``budget``.
         """
+        self.held_outside = 0
         embedding_module = stack.model.get_input_embeddings()
         on_host = []
         if embedding_module is not None and embedding.can_stay_on_host(embedding_module, module):
@@ -64,9 +68,9 @@ class ModulePlacement:
         # Once the base has left the device, so the cap is not below what it holds (NOTE [ A budget is a
         # cap on the card ] in planning/memory.py). The cap is the process's: what the process holds on the
         # device outside the module (another model, a reference run's results) comes on top of the budget.
-        held = torch.cuda.memory_allocated(device) - device_bytes(module, device)
+        self.held_outside = max(0, torch.cuda.memory_allocated(device) - device_bytes(module, device))
         with budget_errors(owner):
-            self._memory_cap, changes = apply_cap(device, budget, held_outside=max(0, held))
+            self._memory_cap, changes = apply_cap(device, budget, held_outside=self.held_outside)
         return changes
 
     def restore(self) -> None:
