@@ -260,7 +260,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vram-budget",
         help="Cap on the GPU memory, e.g. 20GiB: the blocks that fit stay resident, the rest stream (default: every"
-        " block streams).",
+        " block streams; unlike training, generation does not default to the card's free memory, since its KV"
+        " cache is outside the step planner).",
     )
     parser.add_argument("--block-size", type=_positive, default=1, help="Decoder layers per streamed block (1).")
     parser.add_argument(
