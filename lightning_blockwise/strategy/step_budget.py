@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.kernels.liger import liger_kernels_in
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
 from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
@@ -79,6 +80,8 @@ class StepBudget:
             accumulation, else 1; over 1, nothing is kept or offloaded (NOTE [ Block-major accumulation ]).
         offloaded_layers: With offload on, the layers (the first ones) whose inputs go to host memory; ``None``: all
             (NOTE [ Split layer inputs ] in residency/activations.py).
+        card: The budget is the card's (NOTE [ The card as the default budget ]): a step it cannot hold streams.
+        fused_mlp: The model's MLPs run Liger's fused gated activation (a smaller kept graph: ``StepShape``).
     """
 
     config: Any
@@ -99,6 +102,7 @@ class StepBudget:
     window: int = 1
     offloaded_layers: int | None = None
     card: bool = False
+    fused_mlp: bool = False
 
     @classmethod
     def for_module(
@@ -162,6 +166,7 @@ class StepBudget:
             window=window,
             offloaded_layers=offloaded_layers,
             card=card,
+            fused_mlp=liger_kernels_in(model)["mlp"] > 0,
         )
 
     def shape(self, tokens: int, offload: bool) -> StepShape:
@@ -177,6 +182,7 @@ class StepBudget:
             adapter_dropout=self.adapter_dropout,
             window=self.window,
             offloaded_layers=self.offloaded_layers,
+            fused_mlp=self.fused_mlp,
         )
 
     def plan(self, tokens: int) -> StepPlan:

@@ -303,3 +303,26 @@ def test_gemma3_multimodal_gets_its_language_model_only() -> None:
     use_liger_kernels(model)
     assert liger_kernels_in(model) == {"rms_norm": 2 * 6 + 1, "rope": 2, "mlp": 2}
     assert all(name.startswith("model.language_model.") for name in _instance_forwards(model))
+
+
+def test_the_planner_counts_the_fused_activation_out_of_a_kept_graph() -> None:
+    """A kept layer with Liger's MLP keeps one MLP-sized tensor less (StepShape.layer_graph); control: without it."""
+    from lightning_blockwise.strategy.step_budget import StepBudget
+
+    def budget(model: nn.Module) -> StepBudget:
+        return StepBudget.for_module(
+            model, model.get_base_model(), [1000] * NUM_LAYERS, torch.device("cpu"), 2, None, None
+        )
+
+    model = build_model("llama")
+    plain = budget(model)
+    use_liger_kernels(model)
+    fused = budget(model)
+    assert fused.fused_mlp and not plain.fused_mlp
+    tokens = 4096
+    config = model.get_base_model().config
+    saved = plain.layer_graph(tokens) - fused.layer_graph(tokens)
+    one_mlp_tensor = tokens * config.intermediate_size * plain.activation_bytes
+    assert one_mlp_tensor <= saved <= one_mlp_tensor * 1.05  # the allocator's rounding on top (2%)
+    unuse_liger_kernels(model)
+    assert not budget(model).fused_mlp
