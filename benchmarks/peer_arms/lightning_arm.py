@@ -222,23 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         model, settings = build(args.arm, args.shape, device)
     except Exception as error:  # each point says why it has no measurement (an OOM while building is one)
         for p in points:
-            measure.emit({**head, **_where(p), **measure.failure(error), "phase": "build"}, args.out)
+            measure.emit({**head, **measure.where(p), **measure.failure(error), "phase": "build"}, args.out)
         return
     head["settings"].update(settings, precision="bf16-mixed", optimizer="AdamW lr 1e-5", loop="Trainer.fit")
-    short_oom: str | None = None
-    for p in points:
-        if short_oom is not None:
-            measure.emit({**head, **_where(p), "status": "skipped", "error": f"{short_oom} ran out of memory"},
-                         args.out)  # fmt: skip
-            continue
-        row = run_point(model, args.arm, p, args, device)
-        measure.emit({**head, **_where(p), **row}, args.out)
-        if row["status"] == "oom":
-            short_oom = p.key
-
-
-def _where(p: Point) -> dict[str, Any]:
-    return {"point": p.key, "data": p.data, "tokens": p.tokens, "batch": p.batch, "step_tokens": p.step_tokens}
+    measure.run_points(points, head, args.out, lambda p: run_point(model, args.arm, p, args, device))
 
 
 if __name__ == "__main__":

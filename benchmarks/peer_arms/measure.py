@@ -116,3 +116,28 @@ def emit(row: dict[str, Any], out: Path) -> None:
     with out.open("a") as f:
         f.write(line + "\n")
     print(line, flush=True)
+
+
+def where(p: Any) -> dict[str, Any]:
+    """A point's fields of a row (``spec.Point``)."""
+    return {"point": p.key, "data": p.data, "tokens": p.tokens, "batch": p.batch, "step_tokens": p.step_tokens}
+
+
+def run_points(points: list[Any], head: dict[str, Any], out: Path, run: Any) -> None:
+    """``run(point)`` for each point, shortest first, one row each; after an OOM the longer points are rows saying so.
+
+    Args:
+        points: The arm's points, sorted shortest first.
+        head: The fields every row of the arm carries.
+        out: The JSON-lines file.
+        run: Measures one point; returns its row's fields, ``status`` among them.
+    """
+    short_oom: str | None = None
+    for p in points:
+        if short_oom is not None:
+            emit({**head, **where(p), "status": "skipped", "error": f"{short_oom} ran out of memory"}, out)
+            continue
+        row = run(p)
+        emit({**head, **where(p), **row}, out)
+        if row["status"] == "oom":
+            short_oom = p.key

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:
         head.update(device=measure.device_name(device), versions=measure.versions())
         for p in points:
-            measure.emit({**head, **_where(p), **measure.failure(error), "phase": "load"}, args.out)
+            measure.emit({**head, **measure.where(p), **measure.failure(error), "phase": "load"}, args.out)
         return
     head["settings"].update(
         use_gradient_checkpointing=gc_mode, loss="unsloth (its patched cross-entropy)", kernels="unsloth",
@@ -145,20 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     head.update(device=measure.device_name(device), versions=measure.versions())
     model.train()
-    short_oom: str | None = None
-    for p in points:
-        if short_oom is not None:
-            measure.emit({**head, **_where(p), "status": "skipped", "error": f"{short_oom} ran out of memory"},
-                         args.out)  # fmt: skip
-            continue
-        row = run_point(model, p, args.steps, device)
-        measure.emit({**head, **_where(p), **row}, args.out)
-        if row["status"] == "oom":
-            short_oom = p.key
-
-
-def _where(p: Point) -> dict[str, Any]:
-    return {"point": p.key, "data": p.data, "tokens": p.tokens, "batch": p.batch, "step_tokens": p.step_tokens}
+    measure.run_points(points, head, args.out, lambda p: run_point(model, p, args.steps, device))
 
 
 if __name__ == "__main__":
