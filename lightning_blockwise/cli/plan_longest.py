@@ -124,6 +124,8 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
     if advice.plan is not None:
         blocks = sizes.block_bytes(advice.block_size)
         streamed = sum(nbytes for index, nbytes in enumerate(blocks) if index not in advice.plan.resident)
+        # Kept layers run once, not recomputed (NOTE [ Expected step time ]): the last block may hold fewer layers.
+        kept = sum(min(advice.block_size, sizes.num_layers - block * advice.block_size) for block in advice.plan.kept)
         cost = StepCost(
             matmul_params=matmul_params(sizes),
             num_layers=sizes.num_layers,
@@ -132,6 +134,8 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
             offloaded_bytes=offloaded,
             recomputed_params=_recomputed_params(sizes, advice),
             recompute_every=every,
+            kept_layers=kept,
+            kept_params=kept * _layer_params(sizes.config),
         )
         time = step_time(cost, tokens, machine.tflops, machine.link_gbps)
     return ContextFit(tokens, advice, pinned, host, binds, time)
@@ -175,10 +179,14 @@ def context_table(
 def matmul_params(sizes: ModelSizes) -> int:
     """Weights of the matmuls a token passes through: each decoder layer's linears (Llama-style) and the LM head."""
     config = _text(sizes.config)
+    return sizes.num_layers * _layer_params(config) + config.vocab_size * config.hidden_size
+
+
+def _layer_params(config: Any) -> int:
+    """Weights of one decoder layer's linears (Llama-style): the attention's four and the MLP's three."""
+    config = _text(config)
     hidden, attention = config.hidden_size, _attention_size(config)
-    kv = _kv_size(config)
-    layer = 2 * hidden * attention + 2 * hidden * kv + 3 * hidden * config.intermediate_size
-    return sizes.num_layers * layer + config.vocab_size * hidden
+    return 2 * hidden * attention + 2 * hidden * _kv_size(config) + 3 * hidden * config.intermediate_size
 
 
 def _recomputed_params(sizes: ModelSizes, advice: Recommendation) -> int:

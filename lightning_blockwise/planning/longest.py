@@ -38,8 +38,9 @@ DEFAULT_TFLOPS = 150.0
 # forwards: 9 x tokens^2 x size x layers for the step. A second-level recompute (every k-th layer's
 # input kept, the layers between recomputed once more) runs a third forward: 8 and 11. A tiled MLP and
 # the chunked loss recompute their matmuls in their backward: 2 x their params x tokens more.
-# Layers that keep their activations under a budget skip the recompute; the estimate counts it anyway,
-# an upper bound at the short lengths where blocks keep them (at long context none do).
+# Layers that keep their activations under a budget (NOTE [ Kept activations ] in planning/memory.py)
+# run as in resident training, one forward: neither the recompute nor a second-level one, so theirs
+# are taken off (2 x their params x tokens and 2 x tokens^2 x size for each forward they skip).
 #
 # Copies, in bytes over the host link: every block's slab twice per step (forward and backward; three
 # times with a second-level recompute), and with offload the layer inputs out and back. The link is
@@ -60,6 +61,9 @@ class StepCost:
         recomputed_params: Weights whose matmuls run one forward more per step: a tiled MLP's (each tile
             recomputed in its backward) and the LM head under the chunked loss (each chunk recomputed).
         recompute_every: A second-level recompute keeping every k-th layer's input (``None``: off).
+        kept_layers: Decoder layers that keep their autograd graphs from the forward to the backward: they run
+            one forward per step, not :attr:`forwards`.
+        kept_params: Weights of those layers' matmuls.
     """
 
     matmul_params: int
@@ -69,10 +73,12 @@ class StepCost:
     offloaded_bytes: int = 0
     recomputed_params: int = 0
     recompute_every: int | None = None
+    kept_layers: int = 0
+    kept_params: int = 0
 
     @property
     def forwards(self) -> int:
-        """Forward passes of each layer per step: the no-grad forward, the recompute, and a second-level one."""
+        """Forward passes of a recomputed layer per step: the no-grad forward, the recompute, and a second-level one."""
         return 3 if self.recompute_every else 2
 
     @property
@@ -82,8 +88,11 @@ class StepCost:
 
     def flops(self, tokens: int) -> float:
         """A step's FLOPs at ``tokens`` tokens: the matmuls' and causal attention's."""
-        matmuls = ((2 * self.forwards + 2) * self.matmul_params + 2 * self.recomputed_params) * tokens
-        attention = (2 * self.forwards + 5) * tokens**2 * self.attention_size * self.num_layers
+        skipped = self.forwards - 1  # forwards a kept layer does not run
+        params = (2 * self.forwards + 2) * self.matmul_params - 2 * skipped * self.kept_params
+        matmuls = (params + 2 * self.recomputed_params) * tokens
+        layers = (2 * self.forwards + 5) * self.num_layers - 2 * skipped * self.kept_layers
+        attention = layers * tokens**2 * self.attention_size
         return float(matmuls + attention)
 
     def link_bytes(self) -> int:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_blockwise.cli import main
-from lightning_blockwise.cli.plan_longest import Machine, context_fit, longest_context
+from lightning_blockwise.cli import main, plan_longest
+from lightning_blockwise.cli.plan_longest import Machine, context_fit, longest_context, matmul_params
 from lightning_blockwise.planning.footprint import ModelSizes
+from lightning_blockwise.planning.longest import DEFAULT_LINK_GBPS, DEFAULT_TFLOPS, StepCost, step_time
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
 
@@ -91,6 +93,25 @@ def test_a_recompute_whose_kept_inputs_fill_the_card_binds_the_card(sizes: dict[
     assert crowded.binds == ("card",) and crowded.time is None
     # Control: the same length with every input kept (k off) is judged by the card's plan, not refused up front.
     assert context_fit(seven, Machine(24 * GiB, 2048 * GiB), 512 * 1024).advice.gpu_memory == 24 * GiB
+
+
+def test_kept_layers_are_not_counted_as_recomputed(
+    sizes: dict[str, ModelSizes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 4k tokens a 24 GiB card keeps 8 of the 7B's blocks, whose layers run one forward, not two."""
+    made: list[StepCost] = []
+    monkeypatch.setattr(plan_longest, "StepCost", lambda **fields: made.append(StepCost(**fields)) or made[-1])
+    seven = sizes["7b"]
+    fit = context_fit(seven, Machine(24 * GiB, 128 * GiB), 4096)
+    assert fit.advice.plan is not None and fit.advice.block_size == 1 and fit.time is not None
+    (cost,) = made
+    assert cost.kept_layers == len(fit.advice.plan.kept) == 8
+    layer = (matmul_params(seven) - seven.config.vocab_size * seven.config.hidden_size) // seven.num_layers
+    assert cost.kept_params == 8 * layer
+    # Control: the same step with its kept layers counted as recomputed (the formula before) is slower.
+    recomputed = step_time(replace(cost, kept_layers=0, kept_params=0), 4096, DEFAULT_TFLOPS, DEFAULT_LINK_GBPS)
+    saved = 2 * (8 * layer * 4096 + 4096**2 * cost.attention_size * 8) / (DEFAULT_TFLOPS * 1e12)
+    assert recomputed.compute - fit.time.compute == pytest.approx(saved)
 
 
 def test_longest_prints_the_answer_and_settings_to_copy(capsys: pytest.CaptureFixture[str]) -> None:

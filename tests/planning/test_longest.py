@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_blockwise.planning.longest import SEARCH_LIMIT, StepCost, longest_fit, step_time
@@ -56,6 +58,24 @@ def test_step_time_with_recomputed_matmuls_and_a_second_level_recompute() -> Non
     # A third forward: 8 x params x tokens and 11 x tokens^2; the arena crosses the link three times.
     assert twice.flops(4) == 8 * 1000 * 4 + 11 * 16 * 10 * 2
     assert (twice.link_bytes(), plain.link_bytes()) == (1500, 1000)
+
+
+def test_kept_layers_run_one_forward_not_two() -> None:
+    """A layer that keeps its activations is not recomputed (NOTE [ Expected step time ]); the others are."""
+    plain = StepCost(matmul_params=1000, num_layers=2, attention_size=10, arena_bytes=500)
+    kept = StepCost(
+        matmul_params=1000, num_layers=2, attention_size=10, arena_bytes=500, kept_layers=1, kept_params=400
+    )
+    # Its recompute's 2 x 400 x 4 matmul and 2 x 4^2 x 10 attention FLOPs are not run (control: plain counts them).
+    assert plain.flops(4) - kept.flops(4) == 2 * 400 * 4 + 2 * 16 * 10
+    # Every layer kept: resident training's forward and backward, 4 x params and 7 x tokens^2 x size x layers.
+    resident = StepCost(
+        matmul_params=1000, num_layers=2, attention_size=10, arena_bytes=0, kept_layers=2, kept_params=1000
+    )
+    assert resident.flops(4) == 4 * 1000 * 4 + 7 * 16 * 10 * 2
+    # With a second-level recompute a kept layer skips both recomputes.
+    twice = StepCost(matmul_params=1000, num_layers=2, attention_size=10, arena_bytes=500, recompute_every=2)
+    assert twice.flops(4) - replace(twice, kept_layers=1, kept_params=400).flops(4) == 2 * (2 * 400 * 4 + 2 * 16 * 10)
 
 
 @pytest.mark.parametrize(("tflops", "link"), [(0, 25), (150, 0), (-1, 25), (float("nan"), 25)])
