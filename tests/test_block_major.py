@@ -3,8 +3,8 @@
 Through ``Trainer.fit`` with ``accumulate_grad_batches=4``: exact to resident training with the same
 accumulation (losses, grads, weights, AdamW state), each block copied once per pass per window instead of
 once per micro-batch, windows cut short at an epoch's end with a shuffling loader, micro-batches that
-return ``None``, the rest of a step running in Lightning's call for it, a loader without a length, and a
-resume mid-epoch. Controls: a window backward that
+return ``None``, the rest of a step running in Lightning's call for it, a loader without a length, a
+resume mid-epoch, and windows that run each adapter's hooks once (as on several ranks). Controls: a window backward that
 takes its micro-batches in another order differs; dropout is refused at setup, and random numbers drawn
 in a layer at run time are refused.
 """
@@ -31,11 +31,10 @@ from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.streamer import StreamObserver
-from lightning_blockwise.strategy.accumulation import BlockMajorSteps, refuse_unsupported
+from lightning_blockwise.strategy.accumulation import BlockMajorSteps
 from lightning_blockwise.strategy.batch_comparison import batches_differ
 from tests.helpers.models import (
     CONFIGS,
@@ -208,9 +207,9 @@ def test_loader_without_length(checkpoint: Path, monkeypatch: pytest.MonkeyPatch
     sizes = []
     init = block_major.Window.__init__
 
-    def recording_init(self: block_major.Window, count: int, *args: Any) -> None:
+    def recording_init(self: block_major.Window, count: int, *args: Any, **kwargs: Any) -> None:
         sizes.append(count)
-        init(self, count, *args)
+        init(self, count, *args, **kwargs)
 
     monkeypatch.setattr(block_major.Window, "__init__", recording_init)
     runs = []
@@ -419,9 +418,9 @@ def test_windows_are_freed(checkpoint: Path) -> None:
     windows: list[weakref.ref] = []
     init = block_major.Window.__init__
 
-    def recording_init(self: block_major.Window, *args: Any) -> None:
+    def recording_init(self: block_major.Window, *args: Any, **kwargs: Any) -> None:
         windows.append(weakref.ref(self))
-        init(self, *args)
+        init(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(block_major.Window, "__init__", recording_init)
@@ -464,13 +463,27 @@ def test_an_accumulation_schedule_runs_block_major(checkpoint: Path, resident: A
     assert copies.copies < 30  # 2 windows; streamed per micro-batch it is 8 x ~10 (the first test: >= 3.5x more)
 
 
-def test_several_processes_refused() -> None:
-    """DDP would see each adapter gradient once per micro-batch inside one backward: refused before model work."""
-    module = CausalLMModule(lambda: build_model("llama", lora_dropout=0.0, attention_dropout=0.0))
-    stack = find_decoder_stack(module)
-    with pytest.raises(MisconfigurationException, match="one device only"):
-        refuse_unsupported(module, stack, world_size=2)
-    refuse_unsupported(module, stack, world_size=1)
+def test_hooks_once_window_equals_resident(checkpoint: Path, resident: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window that runs each adapter's `AccumulateGrad` node for its last micro-batch only (as under DDP, NOTE
+    [ Block-major windows on several ranks ]) leaves the same sums: the others are added as the node adds them.
+
+    The node's post-hooks (DDP's reducer listens there) run once per window instead of once per micro-batch.
+    """
+    differentiate = block_major.differentiate_window
+
+    def hooks_once(*args: Any, **kwargs: Any) -> None:
+        differentiate(*args, **{**kwargs, "hooks_once": True})
+
+    monkeypatch.setattr(block_major, "differentiate_window", hooks_once)
+    module = _module(checkpoint)
+    calls: list[str] = []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(lambda _, name=name: calls.append(name))
+    windowed = fit(module, _blockwise(block_major_accumulation=True), accumulate_grad_batches=ACCUMULATE, max_steps=2)
+    assert_equal_runs(windowed, resident)
+    trainable = [name for name, param in module.named_parameters() if param.requires_grad]
+    assert sorted(calls) == sorted(trainable * 2)  # 2 windows, each node once per window
 
 
 def test_batch_comparison_bit_for_bit_and_read_once_per_window() -> None:

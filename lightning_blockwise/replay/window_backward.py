@@ -31,6 +31,7 @@ def differentiate_window(
     saved_inputs: list[list[SavedInput | None]],
     order: list[int],
     grads: list[Tensor | None],
+    hooks_once: bool = False,
 ) -> None:
     """Recompute and differentiate each layer, last first, for micro-batches ``order`` in that order.
 
@@ -39,6 +40,9 @@ def differentiate_window(
         saved_inputs: ``saved_inputs[k][layer]``, each dropped once used.
         order: The micro-batches whose gradient reached the top of the decoder.
         grads: The gradient at the top of the decoder of each micro-batch of ``order``.
+        hooks_once: Run each adapter's ``AccumulateGrad`` node for the last micro-batch of ``order`` only, and add
+            the others' gradients to ``.grad`` before it as that node adds them (NOTE [ Block-major windows on
+            several ranks ] in block_major.py); else every micro-batch's gradient goes through the node.
 
     Raises:
         WindowError: If a layer's saved input was modified in place after the layer ran.
@@ -61,11 +65,36 @@ def differentiate_window(
             with torch.enable_grad(), saved.call.autocast_context():
                 output = remat.rerun(x, saved.call)
             inputs = [x, *params] if layer > 0 else params
-            if inputs:
+            grad_input = None
+            if inputs and hooks_once and position < len(order) - 1:
+                # Not through the nodes: DDP's reducer listens on their hooks, once per window.
+                found = torch.autograd.grad(output, inputs, grads[position], allow_unused=True)
+                grad_input = found[0] if layer > 0 else None
+                for param, grad in zip(params, found[len(inputs) - len(params) :], strict=True):
+                    _add_to_grad(param, grad)
+            elif inputs:
                 torch.autograd.backward(output, grads[position], inputs=inputs)
+                grad_input = x.grad if layer > 0 else None
             del output
-            grads[position] = x.grad if layer > 0 else None
+            grads[position] = grad_input
         remat.residency.release(layer, Pass.BACKWARD)
+
+
+def _add_to_grad(param: Tensor, grad: Tensor | None) -> None:
+    """Add ``grad`` to ``param.grad`` as the parameter's ``AccumulateGrad`` node would, without running its hooks.
+
+    The node keeps the first gradient (or a copy of it in the parameter's layout) and adds the next ones in place, so
+    the sum is the same, bit for bit. The first is always copied here: the node copies a gradient that something
+    else still holds, and one the layer hands down with its input's (a parameter added to the hidden states) would
+    otherwise change under the layer below when the next micro-batch adds to it.
+    """
+    if grad is None:
+        return
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = torch.empty_like(param).copy_(grad)
+        else:
+            param.grad.add_(grad)
 
 
 __all__ = ["SavedInput", "differentiate_window"]

@@ -13,6 +13,7 @@ from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_blockwise.architectures import DecoderStack
 from lightning_blockwise.replay.block_major import Window
@@ -76,18 +77,15 @@ class _Lookahead(Iterator):
         return list(self.ahead)[:count]
 
 
-def refuse_unsupported(module: LightningModule, stack: DecoderStack, world_size: int) -> None:
+def refuse_unsupported(module: LightningModule, stack: DecoderStack) -> None:
     """Refuse what block-major accumulation cannot run exactly, at setup (before any model work).
 
+    Several processes are fine: NOTE [ Block-major windows on several ranks ] in replay/block_major.py.
+
     Raises:
-        MisconfigurationException: With several processes, manual optimization, or dropout in the decoder layers.
+        MisconfigurationException: With manual optimization, or dropout in the decoder layers.
     """
     prefix = "`BlockwiseStrategy(block_major_accumulation=True)`"
-    if world_size > 1:
-        raise MisconfigurationException(
-            f"{prefix} runs on one device only: with DDP each adapter gradient would reach the reducer once per"
-            " micro-batch inside one backward. Use `block_major_accumulation=False` with several devices."
-        )
     if not module.automatic_optimization:
         raise MisconfigurationException(
             f"{prefix} needs Lightning's automatic optimization (it follows `accumulate_grad_batches`); this module"
@@ -194,7 +192,9 @@ class BlockMajorSteps:
                 if len(batches) > 1:
                     for batch in batches:
                         see_batch(batch)
-                    return self._open(batches, args, run, drew_ahead)
+                    # NOTE [ Block-major windows on several ranks ] in replay/block_major.py.
+                    reduced = isinstance(strategy.model, DistributedDataParallel)
+                    return self._open(batches, args, run, drew_ahead, reduced)
             see_batch(args[0])
             return run(*args)
         window = self._current
@@ -262,8 +262,10 @@ class BlockMajorSteps:
         if lookahead is not None and lookahead.ahead and "combined_loader" in fit_loop:
             fit_loop["combined_loader"] = lookahead.state_taken
 
-    def _open(self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any], drew_ahead: bool) -> Any:
-        window = Window(len(batches), self.num_layers, self.device)
+    def _open(
+        self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any], drew_ahead: bool, reduced: bool
+    ) -> Any:
+        window = Window(len(batches), self.num_layers, self.device, hooks_once=reduced)
         window.drew_ahead = drew_ahead
 
         def step(k: int) -> Any:

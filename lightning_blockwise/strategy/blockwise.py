@@ -115,8 +115,9 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         block_major_accumulation: With ``Trainer(accumulate_grad_batches=G)``, copy each block once for the forward of a
             window's G micro-batches and once for their backward, instead of G times each: a window's training steps
             run layer by layer (NOTE [ Block-major accumulation ] in replay/block_major.py; a window's batches are read
-            ahead, NOTE [ A window's batches ] in accumulation.py). Exact; needs dropout 0 in the decoder layers, one
-            device, automatic optimization; saves G micro-batches' layer inputs at once; nothing kept or offloaded.
+            ahead, NOTE [ A window's batches ] in accumulation.py). Exact, on one device or several (NOTE [ Block-major
+            windows on several ranks ]); needs dropout 0 in the decoder layers, automatic optimization; saves G
+            micro-batches' layer inputs at once; nothing kept or offloaded.
         share_host_copy: Share the host copy this run packs with the other processes of the machine that pack the
             same base (NOTE [ One host copy per machine ] in residency/shared_arena.py): ``None`` (default) among
             this run's ranks only when it has several, ``True`` with any process of this user (concurrent jobs on
@@ -239,7 +240,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
                 refuse_cpu_eval_mode_4bit(eval_mode_4bit_modules(stack))
             window = planned_window(trainer) if self.block_major_accumulation else 1
             if window > 1:
-                refuse_unsupported(self.lightning_module, stack, self.world_size)
+                refuse_unsupported(self.lightning_module, stack)
                 self._block_major = BlockMajorSteps(window, len(stack.layers), self.root_device)
             elif self.block_major_accumulation:
                 rank_zero_info("BlockwiseStrategy: block_major_accumulation has no effect: accumulate_grad_batches=1.")

@@ -26,6 +26,7 @@ import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck
 from lightning_blockwise.compat.bitsandbytes import nf4_config
+from lightning_blockwise.replay import block_major
 from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.strategy import data_parallel
 from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY
@@ -58,6 +59,11 @@ def main() -> None:
     parser.add_argument("--load-blockwise", action="store_true", help="load the base with load_blockwise (shared)")
     parser.add_argument("--callbacks", action="store_true", help="ParityCheck and BlockwiseProfiler on every rank")
     parser.add_argument("--no-reduce", action="store_true", help="control: DDP reduces nothing (local gradients)")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--lora-dropout", type=float, default=0.1, help="the adapters' dropout")
+    parser.add_argument(
+        "--block-major", action="store_true", help="blockwise with block_major_accumulation=True (needs dropout 0)"
+    )
     parser.add_argument(
         "--gpu", action="store_true", help="one GPU per rank: NF4 with bf16 compute, bf16-mixed, deterministic, seq 512"
     )
@@ -70,23 +76,26 @@ def main() -> None:
 
     if args.gpu:
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-        build = lambda: _gpu_build(args.checkpoint, args.load_blockwise, device)  # noqa: E731
+        build = lambda: _gpu_build(args.checkpoint, args.load_blockwise, device, args.lora_dropout)  # noqa: E731
     else:
         build = (
-            (lambda: _load(args.checkpoint))
+            (lambda: _load(args.checkpoint, args.lora_dropout))
             if args.load_blockwise
-            else (lambda: build_model("llama", args.checkpoint, quantized=True, lora_dropout=0.1))
+            else (lambda: build_model("llama", args.checkpoint, quantized=True, lora_dropout=args.lora_dropout))
         )
     module = CausalLMModule(build)
     if args.strategy == "blockwise":
-        strategy = BlockwiseStrategy(vram_budget=None, ddp_kwargs=args.ddp_kwargs)
+        strategy = BlockwiseStrategy(
+            vram_budget=None, ddp_kwargs=args.ddp_kwargs, block_major_accumulation=args.block_major
+        )
     else:
         strategy = DDPStrategy(**args.ddp_kwargs)
     args.out.mkdir(parents=True, exist_ok=True)
     before = _arena_hash(module)
+    windows = _record_windows()
     if args.epochs is None:
-        # Every rank draws 2 micro-batches per optimizer step from its shard (Lightning's DistributedSampler).
-        count = args.devices * 2 * args.max_steps
+        # Every rank draws its micro-batches of each optimizer step from its shard (Lightning's DistributedSampler).
+        count = args.devices * args.accumulate * args.max_steps
         batches = (
             padded_batches(count, batch_size=1, seq=512, vocab=32000, seed=7)
             if args.gpu
@@ -96,7 +105,7 @@ def main() -> None:
         callbacks += [_NoReduce()] if args.no_reduce else []
         callbacks += _die(args)
         result = fit(module, strategy, batches, devices=args.devices, max_steps=args.max_steps,
-                     accumulate_grad_batches=2, callbacks=callbacks, **_device_kwargs(args))  # fmt: skip
+                     accumulate_grad_batches=args.accumulate, callbacks=callbacks, **_device_kwargs(args))  # fmt: skip
         if args.callbacks:
             check = callbacks[0].result
             record = {"passed": check is not None and check.passed, "profiled": bool(callbacks[1].summary)}
@@ -107,7 +116,20 @@ def main() -> None:
     copy = host_copy_of(module.model.get_base_model())
     shared = {"read_only": bool(copy and copy.arena.read_only), "serving": bool(copy and copy.serving)}
     shared["unchanged"] = before is not None and _arena_hash(module) == before
-    (args.out / f"rank{module.trainer.global_rank}.json").write_text(json.dumps(shared))
+    (args.out / f"rank{module.trainer.global_rank}.json").write_text(json.dumps({**shared, "windows": windows}))
+
+
+def _record_windows() -> list[bool]:
+    """Each block-major window backward of the run, in order: whether it fired the adapters' hooks once (DDP's)."""
+    windows: list[bool] = []
+    differentiate = block_major.differentiate_window
+
+    def recorded(*args: Any, hooks_once: bool = False, **kwargs: Any) -> None:
+        windows.append(hooks_once)
+        differentiate(*args, hooks_once=hooks_once, **kwargs)
+
+    block_major.differentiate_window = recorded  # type: ignore[assignment]
+    return windows
 
 
 def _arena_hash(module: CausalLMModule) -> str | None:
@@ -121,22 +143,22 @@ def _device_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(accelerator="gpu", precision="bf16-mixed", deterministic=True) if args.gpu else {}
 
 
-def _load(checkpoint: Path) -> torch.nn.Module:
+def _load(checkpoint: Path, dropout: float) -> torch.nn.Module:
     """What `build_model(..., quantized=True)` builds, its base loaded by `load_blockwise` (shared by the ranks)."""
     torch.manual_seed(0)
     model = load_blockwise(checkpoint, compute_dtype=torch.float32, device="cpu", progress=False)
     lora = LoraConfig(
         r=4,
         lora_alpha=8,
-        lora_dropout=0.1,
+        lora_dropout=dropout,
         target_modules=TARGETS.get("llama", DEFAULT_TARGETS),
         init_lora_weights=False,
     )
     return get_peft_model(model, lora)
 
 
-def _gpu_build(checkpoint: Path, shared: bool, device: str) -> torch.nn.Module:
-    """A GPU rank's model: the checkpoint as NF4 with bf16 compute, LoRA r=16 on every projection, dropout 0.1.
+def _gpu_build(checkpoint: Path, shared: bool, device: str, dropout: float) -> torch.nn.Module:
+    """A GPU rank's model: the checkpoint as NF4 with bf16 compute, LoRA r=16 on every projection, ``dropout``.
 
     ``shared``: the base loaded by `load_blockwise` (one host copy for the ranks), else by `from_pretrained` on
     ``device`` (what `strategy="ddp"` trains). The adapters are drawn from a CPU generator either way, so both
@@ -148,7 +170,8 @@ def _gpu_build(checkpoint: Path, shared: bool, device: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint, quantization_config=nf4_config(torch.bfloat16), device_map=device
         ).train()
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=DEFAULT_TARGETS))
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=DEFAULT_TARGETS)
+    model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, param in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
