@@ -1,9 +1,10 @@
-"""Data parallelism on two GPUs (NCCL): blockwise against `strategy="ddp"`, one host copy, resume.
+"""Data parallelism on two GPUs (NCCL): blockwise against `strategy="ddp"`, block-major windows, one host copy, resume.
 
 Deterministic mode (`Trainer(deterministic=True)`, `CUBLAS_WORKSPACE_CONFIG=:4096:8`), bf16-mixed, NF4 with bf16
-compute, LoRA r=16 with dropout 0.1 on every projection, 2 micro-batches of 512 tokens per optimizer step, on a
-Qwen2.5-1.5B-shaped model cut to 8 layers (each layer of the real shape). Each rank is a process
-(`tests/helpers/ddp_worker.py --gpu`), as torchrun starts them. Needs two CUDA devices; skipped otherwise.
+compute, LoRA r=16 with dropout 0.1 on every projection, 2 micro-batches of 512 tokens per optimizer step (block-major:
+dropout 0, 3 micro-batches), on a Qwen2.5-1.5B-shaped model cut to 8 layers (each layer of the real shape). Each
+rank is a process (`tests/helpers/ddp_worker.py --gpu`), as torchrun starts them. Needs two CUDA devices; skipped
+otherwise.
 Run: `NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_data_parallel.py`.
 """
 
@@ -62,6 +63,23 @@ def test_blockwise_on_two_gpus_equals_ddp(checkpoint: Path, tmp_path: Path) -> N
         # Each rank's records were saved on its own device.
         assert torch.equal(grad.cpu(), blockwise[1].grads[0][name].cpu()), "the ranks' reduced gradients differ"
     local = _run(tmp_path / "local", checkpoint, "blockwise", "--no-reduce")
+    assert runs_differ(ddp[0], local[0]) and runs_differ(ddp[1], local[1])
+
+
+def test_block_major_on_two_gpus_equals_ddp(checkpoint: Path, tmp_path: Path) -> None:
+    """Block-major windows of 3 micro-batches == `strategy="ddp"` with `accumulate_grad_batches=3`: losses, reduced
+    grads, adapters and Adam state `torch.equal` on both ranks, every optimizer step one window whose backward fired
+    DDP's hooks once per adapter (NOTE [ Block-major windows on several ranks ]); the control reduces nothing."""
+    common = ("--accumulate", "3", "--lora-dropout", "0")
+    windowed = _run(tmp_path / "windowed", checkpoint, "blockwise", "--block-major", *common)
+    ddp = _run(tmp_path / "ddp", checkpoint, "ddp", *common)
+    for rank in range(WORLD):
+        assert_equal_runs(ddp[rank], windowed[rank])
+        record = json.loads((tmp_path / "windowed" / f"rank{rank}.json").read_text())
+        assert record["windows"] == [True] * 4, record["windows"]
+    for name, grad in windowed[0].grads[0].items():
+        assert torch.equal(grad.cpu(), windowed[1].grads[0][name].cpu()), "the ranks' reduced gradients differ"
+    local = _run(tmp_path / "local", checkpoint, "blockwise", "--block-major", "--no-reduce", *common)
     assert runs_differ(ddp[0], local[0]) and runs_differ(ddp[1], local[1])
 
 
