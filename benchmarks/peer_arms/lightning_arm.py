@@ -113,8 +113,13 @@ def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[s
             ) from error
         use_liger_kernels(model)
         settings["liger"] = "use_liger_kernels(model): its defaults (RMSNorm, RoPE, SwiGLU)"
+    if "fused" in arm.options:
+        from lightning_blockwise.kernels.fused_lora import use_fused_lora
+
+        settings["fused_lora"] = f"use_fused_lora(model): {use_fused_lora(model)} LoRA linears"
     attention = model.config._attn_implementation
-    settings["kernels"] = f"{'liger' if 'liger' in arm.options else 'transformers'} ({attention} attention)"
+    kernels = "+".join(name for name in ("liger", "fused") if name in arm.options) or "transformers"
+    settings["kernels"] = f"{kernels} ({attention} attention)"
     tile = arm.options.get("tiled")
     if tile is not None:
         settings["tiled_mlp_tokens"] = TILE_TOKENS if tile is True else int(tile)

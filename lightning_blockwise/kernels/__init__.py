@@ -1,9 +1,11 @@
-"""Faster layers as the module's choice: Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (``liger.py``).
+"""Faster layers as the module's choice: Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (``liger.py``), and LoRA's
+update fused into its second matmul (``fused_lora.py``).
 
-Like the long-context tools, a switch on the model that every strategy then trains, so blockwise == resident holds
-for the module that turned it on.
+Like the long-context tools, switches on the model that every strategy then trains, so blockwise == resident holds
+for the module that turned them on.
 """
 
+from lightning_blockwise.kernels.fused_lora import fused_lora_in, unuse_fused_lora, use_fused_lora
 from lightning_blockwise.kernels.liger import (
     LIGER_MODEL_TYPES,
     liger_kernels_in,
@@ -11,4 +13,12 @@ from lightning_blockwise.kernels.liger import (
     use_liger_kernels,
 )
 
-__all__ = ["LIGER_MODEL_TYPES", "liger_kernels_in", "unuse_liger_kernels", "use_liger_kernels"]
+__all__ = [
+    "LIGER_MODEL_TYPES",
+    "fused_lora_in",
+    "liger_kernels_in",
+    "unuse_fused_lora",
+    "unuse_liger_kernels",
+    "use_fused_lora",
+    "use_liger_kernels",
+]

@@ -19,10 +19,10 @@ from torch import Tensor
 
 from lightning_blockwise.adapters.dora_norm import factor_dora_norms
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
-from lightning_blockwise.kernels.liger import require_liger, use_liger_kernels
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
+from lightning_blockwise.recipes.kernel_choice import check_device, install_kernels, kernel_choice
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.schedules import warmup_cosine
@@ -93,11 +93,13 @@ class CausalLMFineTune(pl.LightningModule):
             (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`; long context, slower per step); ``None``:
             untiled. Like the chunked loss, it applies under every strategy (NOTE [ Tiled MLP ] in
             longcontext/tiling.py).
-        kernels: ``"liger"``: compute the decoder with Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (GeGLU on
-            Gemma) (:func:`~lightning_blockwise.kernels.liger.use_liger_kernels`; CUDA only; ``pip install
-            "lightning-blockwise[kernels]"``); ``None`` (default, until GPU measurements decide): the model's own
-            layers. It changes the rounding, so it applies under every strategy (NOTE [ Liger kernels and exactness ]
-            in kernels/liger.py). It replaces the MLPs' forward, so it is refused together with ``mlp_tile_tokens``.
+        kernels: Faster layers, one name or a list: ``"liger"``, Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU
+            (GeGLU on Gemma) (:func:`~lightning_blockwise.kernels.liger.use_liger_kernels`; CUDA only; ``pip install
+            "lightning-blockwise[kernels]"``; refused with ``mlp_tile_tokens``, both replace the MLPs' forward);
+            ``"fused_lora"``, each LoRA update added inside its second matmul
+            (:func:`~lightning_blockwise.kernels.fused_lora.use_fused_lora`; any device; plain LoRA, not DoRA).
+            ``None`` (default): the model's and PEFT's own layers. Each changes the rounding, so it applies under
+            every strategy (NOTE [ Liger kernels and exactness ] in kernels/liger.py).
         adapter_path: A PEFT adapter directory (an earlier run's export, ``<log_dir>/adapter``) to start from
             instead of fresh adapters: to continue training it, or to ``validate`` or ``test`` it. The adapter's own
             ``adapter_config.json`` then decides the rank, alpha, dropout, targets and DoRA (the LoRA arguments above
@@ -108,8 +110,9 @@ class CausalLMFineTune(pl.LightningModule):
 
     Raises:
         MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, or ``loss_chunk_tokens`` or
-            ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1, or ``kernels`` is not ``None`` or
-            ``"liger"``, is given with ``mlp_tile_tokens`` or without Liger-Kernel installed, or (when the model is
+            ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1, or ``kernels`` names an unknown
+            kernel, ``"liger"`` with ``mlp_tile_tokens`` or without Liger-Kernel installed, ``"fused_lora"`` with
+            DoRA, or (when the model is
             built, before the base loads) ``adapter_path`` holds no ``adapter_config.json`` or ``kernels="liger"``
             is asked for on a device other than CUDA.
 
@@ -142,7 +145,7 @@ class CausalLMFineTune(pl.LightningModule):
         mlp_tile_tokens: int | None = None,
         quantize: bool = True,
         adapter_path: str | None = None,
-        kernels: str | None = None,
+        kernels: str | list[str] | None = None,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -157,7 +160,7 @@ class CausalLMFineTune(pl.LightningModule):
             raise MisconfigurationException(f"CausalLMFineTune(dora_norm={dora_norm!r}): choose 'dense' or 'factored'.")
         _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
         _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
-        _check_kernels(kernels, mlp_tile_tokens)
+        self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora)
         self.save_hyperparameters()
         # Read by `BlockwiseStrategy`'s planner (the module declares what its step builds).
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -182,23 +185,15 @@ class CausalLMFineTune(pl.LightningModule):
             # Before the base loads (minutes at 72B), not after.
             check_adapter_dir(hp.adapter_path)
         strategy = self.trainer.strategy if self._trainer is not None else None
-        if hp.get("kernels") == "liger" and strategy is not None and strategy.root_device.type != "cuda":
-            # Before the base loads; the installed forwards would refuse the first batch anyway.
-            raise MisconfigurationException(
-                f"CausalLMFineTune(kernels='liger') needs a CUDA device (Liger-Kernel's Triton kernels), but the"
-                f" Trainer trains on {strategy.root_device}. Set `kernels=None` (YAML: `kernels: null`) or train on"
-                " a GPU."
-            )
+        # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
+        check_device(self._kernels, None if strategy is None else strategy.root_device.type)
         base = load_base(hp.checkpoint, hp.loader, hp.compute_dtype, hp.quantize, hp.random_init, strategy)
         self.model = add_adapters(
             base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora
         )
         if hp.dora_norm == "factored":
             factor_dora_norms(self.model)
-        if hp.get("kernels") == "liger":
-            # Under every strategy, like the tiled MLP: blockwise and resident runs train the same function. After
-            # the adapters: the kernels call the adapted linears as they find them.
-            use_liger_kernels(self.model)
+        install_kernels(self.model, self._kernels)
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)
@@ -317,21 +312,6 @@ def _check_count(name: str, value: int | None, example: str) -> None:
         f"CausalLMFineTune({name}={value!r}) must be an integer of at least 1 (e.g. {example}), or None to"
         " leave it off."
     )
-
-
-def _check_kernels(kernels: str | None, mlp_tile_tokens: int | None) -> None:
-    """Refuse a ``kernels`` choice that is unknown, clashes with tiled MLPs, or whose library is missing."""
-    if kernels is None:
-        return
-    if kernels != "liger":
-        raise MisconfigurationException(f"CausalLMFineTune(kernels={kernels!r}): choose 'liger' or None.")
-    if mlp_tile_tokens is not None:
-        raise MisconfigurationException(
-            f"CausalLMFineTune(kernels='liger', mlp_tile_tokens={mlp_tile_tokens}): both replace the MLPs' forward"
-            " (Liger's fused SwiGLU, the tiled MLP), so they are not combined. Keep one: `kernels=None` for long"
-            " context, or `mlp_tile_tokens=None`."
-        )
-    require_liger()
 
 
 __all__ = ["CausalLMFineTune"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_blockwise.kernels.fused_lora import fused_lora_in
 from lightning_blockwise.kernels.liger import liger_kernels_in
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from tests.helpers.models import NUM_LAYERS, trainer
@@ -42,10 +43,12 @@ def test_kernels_liger_on_a_cpu_trainer_is_refused_before_the_base_loads(tmp_pat
 
 
 def test_kernels_choices_and_combinations_are_checked_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(MisconfigurationException, match=r"kernels='unsloth'\): choose 'liger' or None"):
-        CausalLMFineTune("/no/such/checkpoint", kernels="unsloth")
-    with pytest.raises(MisconfigurationException, match=r"mlp_tile_tokens=4096\): both replace the MLPs' forward"):
+    with pytest.raises(MisconfigurationException, match=r"'unsloth' is not a kernel choice; choose from 'liger'"):
+        CausalLMFineTune("/no/such/checkpoint", kernels=["fused_lora", "unsloth"])
+    with pytest.raises(MisconfigurationException, match=r"mlp_tile_tokens=4096\): Liger's fused SwiGLU and the tiled"):
         CausalLMFineTune("/no/such/checkpoint", kernels="liger", mlp_tile_tokens=4096)
+    with pytest.raises(MisconfigurationException, match=r"use_dora=True\): the fused LoRA update computes plain LoRA"):
+        CausalLMFineTune("/no/such/checkpoint", kernels="fused_lora", use_dora=True)
     monkeypatch.setitem(sys.modules, "liger_kernel", None)
     with pytest.raises(MisconfigurationException, match=r'pip install "lightning-blockwise\[kernels\]"'):
         CausalLMFineTune("/no/such/checkpoint", kernels="liger")
@@ -53,3 +56,17 @@ def test_kernels_choices_and_combinations_are_checked_in_the_constructor(monkeyp
     # Control: each alone is taken.
     assert CausalLMFineTune("/no/such/checkpoint", kernels="liger").hparams.kernels == "liger"
     assert CausalLMFineTune("/no/such/checkpoint", mlp_tile_tokens=4096).mlp_tile_tokens == 4096
+    assert CausalLMFineTune("/no/such/checkpoint", kernels="fused_lora", mlp_tile_tokens=4096).mlp_tile_tokens == 4096
+
+
+def test_kernels_fused_lora_installs_on_every_adapted_linear_on_the_cpu(checkpoints: dict[str, Path]) -> None:
+    module = CausalLMFineTune(
+        str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32", kernels=["fused_lora"], mlp_tile_tokens=16
+    )
+    module.configure_model()
+    assert fused_lora_in(module.model)
+    assert liger_kernels_in(module.model) == {"rms_norm": 0, "rope": 0, "mlp": 0}
+    # Control: the default leaves PEFT's forward.
+    plain = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32")
+    plain.configure_model()
+    assert not fused_lora_in(plain.model)
