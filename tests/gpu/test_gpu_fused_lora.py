@@ -51,11 +51,21 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _builder(path: Path, fused: bool) -> Callable[[], nn.Module]:
-    """NF4 base, LoRA r16 with dropout on every projection; the fused update installed when ``fused``."""
+    """NF4 base, LoRA r16 with dropout on every projection; the fused update installed when ``fused``.
+
+    ``lora_B`` starts random (seeded), not at PEFT's zeros: from zeros, a few steps at lr 1e-4 leave the update far
+    below a bf16 ulp of the base output, and with PEFT's scaling of 2 (exact in binary) both forwards then round
+    to the same bits (measured on the H100), so the control would not see the switch.
+    """
     build = nf4_lora_builder(path, DEFAULT_TARGETS, r=16)
 
     def with_switch() -> nn.Module:
         model = build()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if ".lora_B." in name:
+                    parameter.copy_(0.02 * torch.randn(parameter.shape, generator=generator))
         if fused:
             assert use_fused_lora(model) == LAYERS * len(DEFAULT_TARGETS)
         return model
