@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 #: Offloaded inputs on the card at a time besides the kept ones: the one in use, the next one coming back and
-#: one being copied out (the memory model's count, planning/step_shape.py).
+#: one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
 INPUTS_IN_FLIGHT = 3
 
 
@@ -34,6 +34,22 @@ class InputLevels(NamedTuple):
         if self.device_count == 0:
             return True
         return self.host_count * (self.k or 1)
+
+
+def card_inputs(layers: int, host_count: int, k: int | None) -> int:
+    """Layer inputs on the card at a step's peak: those kept there, a segment's replayed ones, those in flight.
+
+    One count for :func:`input_levels` and the strategy's memory model (``StepShape.activation_peak``).
+
+    Args:
+        layers: Decoder layers.
+        host_count: Kept inputs in host memory.
+        k: One layer input kept in ``k``; ``None``: every input kept.
+    """
+    kept = layers if k is None else -(-layers // k)
+    # A segment's backward holds the k inputs its replay made (NOTE [ Input checkpoints ] in replay/segments.py).
+    replayed = 0 if k is None else k
+    return kept - host_count + replayed + min(host_count, INPUTS_IN_FLIGHT)
 
 
 def input_levels(
@@ -69,10 +85,8 @@ def input_levels(
     least = None
     for k in [None, *range(2, layers + 1)]:
         kept = layers if k is None else -(-layers // k)
-        replayed = 0 if k is None else k
         for host_count in range(min(kept, host) + 1):
-            in_flight = min(host_count, INPUTS_IN_FLIGHT)
-            card = kept - host_count + replayed + in_flight
+            card = card_inputs(layers, host_count, k)
             if card <= device:
                 return InputLevels(kept - host_count, host_count, k)
             least = card if least is None else min(least, card)
@@ -83,4 +97,4 @@ def input_levels(
     )
 
 
-__all__ = ["INPUTS_IN_FLIGHT", "InputLevels", "input_levels"]
+__all__ = ["INPUTS_IN_FLIGHT", "InputLevels", "card_inputs", "input_levels"]

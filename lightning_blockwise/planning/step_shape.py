@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_blockwise.planning.input_levels import card_inputs
+
 #: Bytes per token per vocabulary entry at the loss's peak: the bf16 logits (kept for the
 #: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
 #: through it, with part of a second one (12 fit the 7B-72B H100 peaks in benchmarks/RESULTS.md, but a
@@ -26,9 +28,6 @@ _HIDDEN_STATES_ALIVE = 4
 #: The caching allocator rounds every block up (512 B, 2 MiB for large ones); the peak it reports
 #: counts the rounded sizes. Measured peaks were up to 1% above the unrounded sum.
 _ALLOCATOR_ROUNDING = 1.02
-#: Layer inputs on the device at a time with offload on: the one in use, the next one coming
-#: back, and one being copied out (NOTE [ Layer-input offload ] in residency/activations.py).
-_INPUTS_IN_FLIGHT = 3
 #: Hidden-state-sized bf16 equivalents at the post-attention norm's backward, beyond the inputs and the hidden
 #: states alive throughout (NOTE [ A layer's backward peak ]).
 _NORM_PEAK_HIDDEN = 15
@@ -78,6 +77,8 @@ class StepShape:
             block-major accumulation (NOTE [ Block-major accumulation ] in replay/block_major.py), else 1.
         kv_size: Elements per token of attention's keys (and of its values): key-value heads x head size;
             ``None``: ``hidden_size`` (no grouped-query attention).
+        checkpoint_every: One layer input kept in this many, the others replayed in the backward (NOTE [ Input
+            checkpoints ] in replay/segments.py); ``None``: every layer's input kept.
     """
 
     tokens: int
@@ -94,6 +95,7 @@ class StepShape:
     offloaded_layers: int | None = None
     kv_size: int | None = None
     fused_mlp: bool = False
+    checkpoint_every: int | None = None
 
     @classmethod
     def for_config(
@@ -109,6 +111,7 @@ class StepShape:
         window: int = 1,
         offloaded_layers: int | None = None,
         fused_mlp: bool = False,
+        checkpoint_every: int | None = None,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -125,6 +128,7 @@ class StepShape:
             offloaded_layers: With ``offload_inputs``, the layers whose inputs go to host memory (``None``: all).
             fused_mlp: The MLPs compute their gated activation with a fused kernel that recomputes it in the
                 backward (Liger's SwiGLU/GeGLU, ``kernels/liger.py``): a kept graph holds one MLP-sized tensor less.
+            checkpoint_every: One layer input kept in this many (``None``: every one).
         """
         config = getattr(config, "text_config", None) or config
         heads = getattr(config, "num_attention_heads", None)
@@ -145,19 +149,20 @@ class StepShape:
             offloaded_layers=offloaded_layers,
             kv_size=kv_heads * head_size if kv_heads and head_size else None,
             fused_mlp=fused_mlp,
+            checkpoint_every=checkpoint_every,
         )
 
     def activation_peak(self) -> int:
         """Predicted activation bytes at the step's peak.
 
-        Saved layer inputs (one tensor per layer between forward and backward, or the few in
-        flight when they wait in host memory), hidden states alive throughout, plus the larger of
+        Saved layer inputs on the card (one tensor per layer between forward and backward, one per
+        segment and a segment's replayed ones with input checkpoints, the few in flight of those
+        waiting in host memory: :func:`~.input_levels.card_inputs`), hidden states alive throughout, plus the larger of
         two working sets that are never alive together: the loss's logits and their gradients
         (``loss_chunk_tokens`` rows at a time with a chunked loss), which are freed before the
         decoder's backward starts, and one layer's recompute and backward (:meth:`layer_working_set`).
         """
-        host = self.host_inputs()
-        saved_inputs = self.num_layers - host + min(host, _INPUTS_IN_FLIGHT)
+        saved_inputs = card_inputs(self.num_layers, self.host_inputs(), self.checkpoint_every)
         saved_inputs *= self.input_bytes() * self.window
         if self.loss_chunk_tokens is None:
             logits = int(self.tokens * self.vocab_size * _LOGIT_BYTES_PER_ENTRY)
@@ -214,10 +219,12 @@ class StepShape:
         return self.tokens * self.hidden_size * self.activation_bytes
 
     def host_inputs(self) -> int:
-        """Layers whose inputs wait for the backward in host memory."""
+        """Layer inputs that wait for the backward in host memory: the offloaded layers' that are kept."""
         if not self.offload_inputs:
             return 0
-        return self.num_layers if self.offloaded_layers is None else min(self.offloaded_layers, self.num_layers)
+        offloaded = self.num_layers if self.offloaded_layers is None else min(self.offloaded_layers, self.num_layers)
+        # With input checkpoints only layers 0, k, 2k, ... keep theirs (StreamedStack's host slabs, the same count).
+        return offloaded if self.checkpoint_every is None else -(-offloaded // self.checkpoint_every)
 
     def offloaded_host_bytes(self) -> int:
         """Host bytes the saved layer inputs take with offload on (every offloaded layer's input at once), else 0."""

@@ -70,7 +70,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
     - ``block_size``: layers per copy; larger blocks make fewer, larger copies.
     - ``prefetch_depth``: blocks on their way ahead of the one in use, so copies hide behind compute.
     - ``budget_tokens``: the micro-batch to plan for at setup where the data module does not declare it.
-    - ``offload_activations``: saved layer inputs in host memory, for contexts the card holds no other way.
+    - ``offload_activations``: saved layer inputs in host memory, for contexts the card holds no other way (default:
+      with a budget, the plan chooses how many, and ``input_checkpoint_every``, from the card and host memory).
     - ``keep_activations``: spend the budget on not recomputing (default) or on residency alone (link-bound steps).
     - ``input_checkpoint_every``: keep one layer input in k, replay the rest: less memory, a third weight pass.
     - ``block_major_accumulation``: one copy of each block per accumulation window instead of one per micro-batch.
@@ -95,10 +96,14 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either way a longer batch is
             planned for before its step runs (NOTE [ A budget that sees the batches ] in step_budget.py).
         offload_activations: Keep each layer's saved input in pinned host memory between forward and
-            backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None`` turns it on
-            when the step would not fit without it (the budget, else the device), ``True``/``False`` force it.
-            An integer ``m`` offloads the first ``m`` layers' inputs and keeps the rest on the device (host RAM
-            short of every layer's input: NOTE [ Split layer inputs ]).
+            backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None``: the plan decides; with a
+            budget and ``input_checkpoint_every`` unset too, it chooses how many layers' inputs wait in host memory
+            and one kept in how many from the budget and the host memory free, again before a longer batch; what
+            fits no way under a set ``vram_budget`` is refused at setup, naming the longest micro-batch that would
+            (NOTE [ Where layer inputs wait ] in step_budget.py). Without a budget it turns offload on when the step
+            would not fit the device without it. ``True``/``False`` force it. An integer ``m`` offloads the first
+            ``m`` layers' inputs and keeps the rest on the device (host RAM short of every layer's input: NOTE
+            [ Split layer inputs ]).
         keep_activations: With a ``vram_budget``, blocks whose slabs and layers' autograd graphs fit it stay on the
             device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
             keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
@@ -111,7 +116,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             device or in host memory as ``offload_activations`` says for that layer); in the backward each segment
             of ``k`` layers is first replayed forward from its kept input to recompute the others (NOTE [ Input
             checkpoints ] in replay/segments.py). Exact; about a third more weight traffic and forward compute.
-            ``None`` (default): every layer's input is kept. Not with ``block_major_accumulation``.
+            ``None`` (default): every layer's input is kept, unless the plan chooses ``k`` (``offload_activations``
+            unset and a budget, see there). Not with ``block_major_accumulation``.
         block_major_accumulation: With ``Trainer(accumulate_grad_batches=G)``, copy each block once for the forward of a
             window's G micro-batches and once for their backward, instead of G times each: a window's training steps
             run layer by layer (NOTE [ Block-major accumulation ] in replay/block_major.py; a window's batches are read
@@ -295,6 +301,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             window=self._block_major.window if self._block_major is not None else 1,
             ranks=self.world_size,
             card=self._card is not None,
+            checkpoint_every=self.input_checkpoint_every,
         )
         self._planner = StepPlanner(budget, self._budget_owner)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
@@ -311,8 +318,9 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             self.prefetch_depth,
             plan.residency.resident,
             plan.residency.kept,
-            offloaded_layers,
-            self.input_checkpoint_every,
+            # The options', or where the plan chose them, its own (NOTE [ Where layer inputs wait ] in step_budget.py).
+            plan.shape.offloaded_layers,
+            plan.shape.checkpoint_every,
         )
         self._layers.set_observer(self._observer)
         self._planner.attach(self._layers)

@@ -12,7 +12,10 @@ from torch import nn
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.liger import liger_kernels_in
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
+from lightning_blockwise.planning.input_levels import InputLevels, card_inputs, input_levels
+from lightning_blockwise.planning.longest import GRANULARITY, longest_fit
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
+from lightning_blockwise.residency.arena import HOST_RAM_RESERVE, available_host_memory
 from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 
 # NOTE [ A budget that sees the batches ]
@@ -24,10 +27,58 @@ from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 # offloaded) or stops with a clear error, before the step allocates anything. Plans only
 # grow: a shorter batch keeps the plan made for the longest one so far.
 
+# NOTE [ Where layer inputs wait ]
+# A step's saved layer inputs (layers x tokens x hidden x 2 B) can wait on the card, in host memory
+# (``offload_activations=m``: NOTE [ Split layer inputs ] in residency/activations.py), or only one in
+# k of them, the others replayed in the backward (``input_checkpoint_every=k``: NOTE [ Input
+# checkpoints ] in replay/segments.py). Where the user sets neither and the run plans for a budget
+# (a ``vram_budget`` or the card's), the planner chooses both, for each plan, so again before a longer
+# batch: first the most inputs the budget holds on the card beside the rest of the step with every
+# block streamed (the memory model's count of inputs on the card, ``card_inputs``, is monotone, and
+# the splits of every input reach each count from the inputs in flight up to all of them, so a
+# bisection over the splits finds it), then ``input_levels`` for that card and the host memory free
+# now (what the arena's own check sees, less its reserve, shared among the ranks): every input on the
+# card, else the fewest in host memory, else the smallest k. Blocks stay resident or keep their
+# graphs with what the budget has left, as before. Where no split and no k fit, the run is refused
+# before the step, with the longest micro-batch that would fit (``longest_fit`` over the same
+# choice). Without a budget, offload is decided as before: all or nothing against the device's
+# limit; the card's budget that gives way to streaming (NOTE [ The card as the default budget ]) is
+# one such plan. Block-major windows keep every input on the card. Re-planning changes the levels
+# between steps only, where no input is held (``StreamedStack.set_input_levels``).
+
 #: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``: the
 #: CUDA context and kernels, which ``max_memory_allocated`` does not count (the cuBLAS workspaces it
 #: does count are in the plan's fixed bytes: ``blas_workspace_bytes``).
 _CONTEXT_RESERVE = 2**30
+
+
+@dataclass(frozen=True)
+class InputChoice:
+    """Where a plan's layer inputs wait, as the planner chose it (NOTE [ Where layer inputs wait ]).
+
+    Attributes:
+        levels: Inputs on the card, in host memory, and one kept in ``k``.
+        card_holds: The most inputs the budget holds on the card beside the rest of the step (those in flight and
+            a segment's replayed ones counted).
+        host_holds: The inputs the host memory free for them holds.
+    """
+
+    levels: InputLevels
+    card_holds: int
+    host_holds: int
+
+    def describe(self, num_layers: int, host_bytes: int) -> str:
+        """What was chosen and why, for the log (``host_bytes``: what the inputs in host memory take)."""
+        device, host, every = self.levels
+        if every is None and not host:
+            return f"layer inputs: all {num_layers} on the card (the budget holds them)"
+        where = f"{device} on the card" + (f", {host} in host memory ({format_gib(host_bytes)} pinned)" if host else "")
+        if every is not None:
+            where = (
+                f"one in {every} kept ({where}), the others replayed in the backward: no split of all {num_layers} fits"
+            )
+        holds = f"the budget holds {self.card_holds} at a time on the card, the host {self.host_holds}"
+        return f"layer inputs: {where}; {holds}"
 
 
 @dataclass(frozen=True)
@@ -47,6 +98,8 @@ class StepPlan:
     shape: StepShape
     #: Why the card's budget gave way to streaming every block (NOTE [ The card as the default budget ]), else None.
     over_card: str | None = None
+    #: Where the layer inputs wait, where the planner chose it (NOTE [ Where layer inputs wait ]), else None.
+    inputs: InputChoice | None = None
 
     @property
     def offload_host_bytes(self) -> int:
@@ -82,6 +135,10 @@ class StepBudget:
             (NOTE [ Split layer inputs ] in residency/activations.py).
         card: The budget is the card's (NOTE [ The card as the default budget ]): a step it cannot hold streams.
         fused_mlp: The model's MLPs run Liger's fused gated activation (a smaller kept graph: ``StepShape``).
+        checkpoint_every: One layer input kept in this many, the others replayed (``input_checkpoint_every``).
+        choose_inputs: Neither ``offload`` nor ``checkpoint_every`` was set: with a budget the planner chooses
+            where the layer inputs wait (NOTE [ Where layer inputs wait ]).
+        ranks: Processes of the run, each offloading its own inputs: each plans for its share of host memory.
     """
 
     config: Any
@@ -103,6 +160,9 @@ class StepBudget:
     offloaded_layers: int | None = None
     card: bool = False
     fused_mlp: bool = False
+    checkpoint_every: int | None = None
+    choose_inputs: bool = False
+    ranks: int = 1
 
     @classmethod
     def for_module(
@@ -120,6 +180,7 @@ class StepBudget:
         ranks: int = 1,
         offloaded_layers: int | None = None,
         card: bool = False,
+        checkpoint_every: int | None = None,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -143,6 +204,8 @@ class StepBudget:
             offloaded_layers: With offload on, the layers whose inputs go to host memory (``None``: all).
             card: ``budget`` is the card's, not the user's (NOTE [ The card as the default budget ]): a step it does
                 not hold streams every block instead of being refused.
+            checkpoint_every: The ``input_checkpoint_every`` option. With it and ``offload`` both ``None`` the planner
+                chooses where the layer inputs wait (NOTE [ Where layer inputs wait ]).
         """
         head = model.get_output_embeddings()
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -167,10 +230,18 @@ class StepBudget:
             offloaded_layers=offloaded_layers,
             card=card,
             fused_mlp=liger_kernels_in(model)["mlp"] > 0,
+            checkpoint_every=checkpoint_every,
+            choose_inputs=offload is None and checkpoint_every is None,
+            ranks=ranks,
         )
 
-    def shape(self, tokens: int, offload: bool) -> StepShape:
-        """The step shape at ``tokens`` tokens per micro-batch."""
+    def shape(self, tokens: int, offload: bool, levels: InputLevels | None = None) -> StepShape:
+        """The step shape at ``tokens`` tokens per micro-batch (with ``levels``, where they say, not ``offload``)."""
+        offloaded_layers, checkpoint_every = self.offloaded_layers, self.checkpoint_every
+        if levels is not None:
+            split = levels.offload_activations()
+            offload, offloaded_layers = split is not False, None if isinstance(split, bool) else split
+            checkpoint_every = levels.k
         return StepShape.for_config(
             self.config,
             tokens,
@@ -181,11 +252,12 @@ class StepBudget:
             mlp_tile_tokens=self.mlp_tile_tokens,
             adapter_dropout=self.adapter_dropout,
             window=self.window,
-            offloaded_layers=self.offloaded_layers,
+            offloaded_layers=offloaded_layers,
             fused_mlp=self.fused_mlp,
+            checkpoint_every=checkpoint_every,
         )
 
-    def plan(self, tokens: int) -> StepPlan:
+    def plan(self, tokens: int, host_bytes: int | None = None) -> StepPlan:
         """The plan for micro-batches of up to ``tokens`` tokens (NOTE [ A budget that sees the batches ]).
 
         Automatic offload stays off while the step fits (the budget, else ``device_limit``) without it.
@@ -194,12 +266,21 @@ class StepBudget:
         budget is an estimate the user did not ask for, and the prediction errs high (a loss the module does not
         declare counts as Hugging Face's), so such a run is not refused where it may well fit.
 
+        With ``choose_inputs`` and a budget, where the layer inputs wait is chosen here (NOTE [ Where layer inputs
+        wait ]).
+
+        Args:
+            tokens: Tokens per micro-batch.
+            host_bytes: Host memory free for the layer inputs, where the plan chooses where they wait; ``None``:
+                measured now (:func:`host_room`).
+
         Raises:
-            ValueError: If even every block streamed (and the inputs offloaded, unless forced off)
-                does not fit the budget; says by how much and what to change.
+            ValueError: If even every block streamed (and the inputs offloaded, unless forced off, or, where the
+                plan chooses, in no split and no checkpoint spacing) does not fit the budget; says by how much,
+                the longest micro-batch that would fit where the plan chooses, and what to change.
         """
         try:
-            return self._plan(tokens)
+            return self._plan(tokens, host_bytes)
         except ValueError as error:
             if not self.card or self.budget is None:
                 raise
@@ -215,21 +296,15 @@ class StepBudget:
         )
         return replace(streamed, over_card=why)
 
-    def _plan(self, tokens: int) -> StepPlan:
+    def _plan(self, tokens: int, host_bytes: int | None = None) -> StepPlan:
+        if self.choose_inputs and self.budget is not None and self.window == 1:
+            return self._plan_inputs(tokens, host_room(self.ranks) if host_bytes is None else host_bytes)
         choices = [self.offload] if self.offload is not None else [False] if self.window > 1 else [False, True]
         error: ValueError | None = None
         for offload in choices:
             shape = self.shape(tokens, offload)
             try:
-                residency = plan_residency(
-                    block_bytes=list(self.block_bytes),
-                    prefetch_depth=self.prefetch_depth,
-                    fixed_bytes=self.fixed_bytes,
-                    trainable_bytes=self.trainable_bytes,
-                    activation_bytes=shape.activation_peak(),
-                    budget=self.budget,
-                    graph_bytes=self._graph_bytes(shape),
-                )
+                residency = self._residency(shape, self.budget)
             except ValueError as failure:
                 error = failure
                 continue
@@ -240,6 +315,89 @@ class StepBudget:
         assert error is not None
         hint = "" if self.offload is False else " with the layer inputs offloaded to host memory"
         raise ValueError(f"at {tokens} tokens per micro-batch{hint}, {error}")
+
+    def _plan_inputs(self, tokens: int, host_bytes: int) -> StepPlan:
+        """The plan at ``tokens`` tokens with the layer inputs where they fit (NOTE [ Where layer inputs wait ])."""
+        try:
+            choice = self._choose_inputs(tokens, host_bytes)
+        except ValueError as error:
+            longest = self._longest(tokens, host_bytes)
+            raise ValueError(f"at {tokens} tokens per micro-batch {error} {longest}") from None
+        shape = self.shape(tokens, False, choice.levels)
+        return StepPlan(tokens, self._residency(shape, self.budget), shape.offload_inputs, shape, inputs=choice)
+
+    def _choose_inputs(self, tokens: int, host_bytes: int) -> InputChoice:
+        """Where the layer inputs at ``tokens`` tokens wait under the budget and ``host_bytes`` of host memory.
+
+        Raises:
+            ValueError: If no split and no checkpoint spacing fits, or the step does not fit the budget even with
+                the fewest inputs on the card.
+        """
+        assert self.budget is not None
+        layers = self.num_layers
+        # One split of every input per count of inputs on the card (NOTE [ Where layer inputs wait ]), fewest first.
+        splits = sorted({card_inputs(layers, host, None): host for host in range(layers, -1, -1)}.items())
+        fitting, failure = -1, None
+        low, high = 0, len(splits) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            host = splits[middle][1]
+            try:
+                self._residency(self.shape(tokens, False, InputLevels(layers - host, host, None)), self.budget)
+            except ValueError as error:
+                failure, high = error, middle - 1
+                continue
+            fitting, low = middle, middle + 1
+        if fitting < 0:
+            assert failure is not None
+            fewest = f"{splits[0][0]} on the card at a time, the fewest any choice keeps"
+            raise ValueError(f"with the layer inputs offloaded to host memory ({fewest}), {failure}")
+        shape = self.shape(tokens, False)
+        holds, one = splits[fitting][0], shape.input_bytes()
+        try:
+            levels = input_levels(layers, tokens, shape.hidden_size, holds * one, host_bytes, self.activation_bytes)
+        except ValueError as error:
+            raise ValueError(
+                f"the budget holds {holds} layer inputs on the card beside the rest of the step and the host memory"
+                f" {host_bytes // one}: {error}"
+            ) from None
+        return InputChoice(levels, holds, host_bytes // one)
+
+    def _longest(self, tokens: int, host_bytes: int) -> str:
+        """What a refused length says: the longest micro-batch whose layer inputs have a place, and what to change."""
+
+        def fits(length: int) -> bool:
+            try:
+                self._choose_inputs(length, host_bytes)
+            except ValueError:
+                return False
+            return True
+
+        granularity = GRANULARITY if tokens > GRANULARITY else 1
+        longest = longest_fit(fits, granularity, limit=tokens)
+        change = (
+            "raise `vram_budget`, free host memory, or make the step smaller (`loss_chunk_tokens` with a chunked"
+            " loss, `mlp_tile_tokens` with tiled MLPs)"
+        )
+        if longest is None:
+            return f"Not even {granularity} tokens per micro-batch fit this budget: {change}."
+        return (
+            f"The longest micro-batch that fits this budget and {format_gib(host_bytes)} of host memory for the layer"
+            f" inputs is {longest} tokens: train on at most that many per micro-batch (batch size x sequence"
+            f" length; at setup `budget_tokens`, else the data module's `max_length` x `batch_size`), or {change}."
+        )
+
+    def _residency(self, shape: StepShape, budget: int | None) -> ResidencyPlan:
+        """The residency plan of ``shape`` under ``budget`` (``plan_residency``'s ``ValueError`` if it does not fit)."""
+        return plan_residency(
+            block_bytes=list(self.block_bytes),
+            prefetch_depth=self.prefetch_depth,
+            fixed_bytes=self.fixed_bytes,
+            trainable_bytes=self.trainable_bytes,
+            activation_bytes=shape.activation_peak(),
+            budget=budget,
+            graph_bytes=self._graph_bytes(shape),
+        )
 
     def _graph_bytes(self, shape: StepShape) -> list[int] | None:
         """Each block's layers' graphs, when blocks may keep them (NOTE [ Kept activations ])."""
@@ -252,12 +410,13 @@ class StepBudget:
         return self.shape(tokens, offload=False).layer_graph()
 
     def describe(self, plan: StepPlan) -> str:
-        """One line for the log: tokens, peak, offload."""
-        offload = (
-            f", layer inputs offloaded to host memory ({format_gib(plan.offload_host_bytes)} pinned)"
-            if plan.offload
-            else ""
-        )
+        """One line for the log: tokens, peak, offload, and where the layer inputs wait where the plan chose it."""
+        if plan.inputs is not None:
+            offload = f"; {plan.inputs.describe(self.num_layers, plan.offload_host_bytes)}"
+        elif plan.offload:
+            offload = f", layer inputs offloaded to host memory ({format_gib(plan.offload_host_bytes)} pinned)"
+        else:
+            offload = ""
         kept = plan.residency.kept
         streamed = len(set(kept) - set(plan.residency.resident))
         kept_text = (
@@ -271,6 +430,14 @@ class StepBudget:
             f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"
             f" tokens per micro-batch{offload}"
         )
+
+
+def host_room(ranks: int = 1) -> int:
+    """Host bytes this process may give its saved layer inputs now: what ``HostArena``'s check sees, less its reserve.
+
+    Each of ``ranks`` processes offloads its own inputs, so each gets its share.
+    """
+    return max(0, available_host_memory() - HOST_RAM_RESERVE) // ranks
 
 
 def blas_threads(window: int) -> int:
@@ -331,8 +498,10 @@ def reference_headroom(device: torch.device, budget: int | None, predicted_peak:
 
 
 __all__ = [
+    "InputChoice",
     "StepBudget",
     "StepPlan",
     "device_bytes",
     "device_limit",
+    "host_room",
 ]

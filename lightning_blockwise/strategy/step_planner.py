@@ -88,7 +88,7 @@ class StepPlanner:
         return f"longer batch: {self.describe()}"
 
     def describe(self) -> str:
-        """One line for the log: tokens, peak, offload."""
+        """One line for the log: tokens, peak, offload, and where the layer inputs wait where the plan chose it."""
         assert self.plan is not None
         return self.budget.describe(self.plan)
 
@@ -109,9 +109,11 @@ class StepPlanner:
         return plan
 
     def _adopt(self, plan: StepPlan) -> None:
-        """Make ``plan`` the run's: its resident blocks and its offload (between steps only)."""
+        """Make ``plan`` the run's: where its layer inputs wait, its resident blocks and its offload (between steps)."""
         assert self._layers is not None and self.plan is not None
         old, self.plan = self.plan, plan
+        # NOTE [ Where layer inputs wait ] in step_budget.py: a re-plan may move them (the same levels: no change).
+        self._layers.set_input_levels(plan.shape.offloaded_layers, plan.shape.checkpoint_every)
         self._layers.offload_inputs(plan.shape.input_bytes() if plan.offload else None)
         if (old.residency.resident, old.residency.kept) != (plan.residency.resident, plan.residency.kept):
             self._layers.restream(plan.residency.resident, plan.residency.kept)

@@ -140,6 +140,22 @@ class StreamedStack:
         if self.streamer is not None:
             self.install()
 
+    def set_input_levels(self, offloaded_layers: int | None, checkpoint_every: int | None) -> None:
+        """Offload the first ``offloaded_layers`` layers' inputs (``None``: all) and keep one in ``checkpoint_every``.
+
+        Between steps, where a re-plan moves the layer inputs (NOTE [ Where layer inputs wait ] in step_budget.py):
+        the host slabs, counted for the old levels, are freed (:meth:`offload_inputs` allocates them again), and a
+        new ``checkpoint_every`` gets a streamer that prefetches along the new step order.
+        """
+        offloaded = len(self.layers) if offloaded_layers is None else offloaded_layers
+        if (offloaded, checkpoint_every) == (self.offloaded_layers, self.checkpoint_every):
+            return
+        self.offload_inputs(None)
+        self.offloaded_layers = offloaded
+        if checkpoint_every != self.checkpoint_every:
+            self.checkpoint_every = checkpoint_every
+            self.restream()
+
     def restream(self, resident: Iterable[int] | None = None, kept: Iterable[int] | None = None) -> None:
         """Replace the streamer by a fresh one keeping ``resident`` (default: the same blocks) on the device.
 

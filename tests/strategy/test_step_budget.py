@@ -1,0 +1,355 @@
+"""Where layer inputs wait, chosen by the planner (NOTE [ Where layer inputs wait ] in strategy/step_budget.py).
+
+With a budget and neither `offload_activations` nor `input_checkpoint_every` set, the plan puts every input on the
+card where the budget holds them, else splits them with host memory, else keeps one in k; it refuses what fits no
+way with the longest length that would. The planner's own tests use a made-up 8-layer model; the runs, the tests'
+8-layer NF4 Llama on the CPU with the host memory stood in, are `torch.equal` to resident training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.planning import StepShape
+from lightning_blockwise.planning.input_levels import INPUTS_IN_FLIGHT, InputLevels
+from lightning_blockwise.replay.segments import Segment
+from lightning_blockwise.residency.base import Pass
+from lightning_blockwise.strategy import step_budget
+from lightning_blockwise.strategy.step_budget import StepBudget, host_room
+from tests.helpers.models import (
+    CONFIGS,
+    SEQ,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    fit,
+    padded_batches,
+    runs_differ,
+)
+
+LAYERS = 8
+#: The made-up model's micro-batch, and one layer input's bytes there.
+TOKENS = 256
+CONFIG = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=100)
+ONE = TOKENS * CONFIG.hidden_size * 2
+
+
+def _budget(**overrides: Any) -> StepBudget:
+    values: dict[str, Any] = dict(
+        config=CONFIG,
+        num_layers=LAYERS,
+        activation_bytes=2,
+        block_bytes=[1000] * LAYERS,
+        prefetch_depth=1,
+        fixed_bytes=10_000,
+        trainable_bytes=100,
+        budget=None,
+        offload=None,
+        loss_chunk_tokens=None,
+        mlp_tile_tokens=None,
+        device_limit=None,
+        choose_inputs=True,
+    )
+    values.update(overrides)
+    return StepBudget(**values)
+
+
+def _holding(budget: StepBudget, count: int, tokens: int) -> int:
+    """The smallest budget that holds ``count`` layer inputs on the card at a time, every block streamed.
+
+    A split with every other input in host memory keeps ``count`` on the card (those in flight counted).
+    """
+    host = 0 if count >= budget.num_layers else budget.num_layers - count + INPUTS_IN_FLIGHT
+    forced = replace(budget, budget=None, choose_inputs=False, offload=host > 0, offloaded_layers=host or None)
+    return forced.plan(tokens).residency.minimum
+
+
+def _made_up(count: int) -> int:
+    return _holding(_budget(), count, TOKENS)
+
+
+# --- the planner ---------------------------------------------------------------------------------------------------
+
+
+def test_a_budget_that_holds_every_input_keeps_them_all_on_the_card() -> None:
+    budget = _budget(budget=_made_up(LAYERS))
+    plan = budget.plan(TOKENS, host_bytes=0)
+    assert plan.inputs is not None and plan.inputs.levels == InputLevels(LAYERS, 0, None)
+    assert not plan.offload and plan.shape.checkpoint_every is None and plan.offload_host_bytes == 0
+    assert "layer inputs: all 8 on the card (the budget holds them)" in budget.describe(plan)
+
+
+def test_a_tight_card_and_a_roomy_host_split_the_inputs() -> None:
+    """A card for 5 inputs: 2 kept there and 3 in flight, 6 in host memory (input_levels' fewest offloaded)."""
+    budget = _budget(budget=_made_up(5))
+    plan = budget.plan(TOKENS, host_bytes=LAYERS * ONE)
+    assert plan.inputs is not None and plan.inputs.levels == InputLevels(2, 6, None)
+    assert (plan.inputs.card_holds, plan.inputs.host_holds) == (5, LAYERS)
+    assert plan.offload and plan.shape.offloaded_layers == 6 and plan.shape.checkpoint_every is None
+    assert plan.offload_host_bytes == 6 * ONE and plan.residency.predicted_reserved <= _made_up(5)
+    line = budget.describe(plan)
+    assert "layer inputs: 2 on the card, 6 in host memory" in line and "the budget holds 5 at a time" in line
+    # Control: one byte less holds 4, so one input more goes to the host.
+    assert _budget(budget=_made_up(5) - 1).plan(TOKENS, host_bytes=LAYERS * ONE).inputs.levels == (1, 7, None)
+
+
+@pytest.mark.parametrize("host_inputs", [0, 2])
+def test_a_tight_card_and_a_tight_host_keep_one_input_in_two(host_inputs: int) -> None:
+    """A card for 6 and a host for at most 2: no split holds 8 inputs; k=2 keeps 4 on the card, 2 replayed at a time."""
+    budget = _budget(budget=_made_up(6))
+    plan = budget.plan(TOKENS, host_bytes=host_inputs * ONE)
+    assert plan.inputs is not None and plan.inputs.levels == InputLevels(4, 0, 2)
+    assert plan.shape.checkpoint_every == 2 and not plan.offload
+    # The memory model counts the 4 kept and the 2 a segment replays: what the budget holds.
+    assert plan.residency.minimum == _made_up(6)
+    assert (
+        "one in 2 kept (4 on the card), the others replayed in the backward: no split of all 8 fits"
+        in budget.describe(plan)
+    )
+
+
+def test_what_fits_no_way_is_refused_with_the_longest_length_that_fits() -> None:
+    """A card for 5 and a host for 2: nothing fits 256 tokens; the answer is the longest length that does."""
+    budget = _budget(budget=_made_up(5))
+    with pytest.raises(ValueError) as failure:
+        budget.plan(TOKENS, host_bytes=2 * ONE)
+    message = str(failure.value)
+    assert message.startswith(f"at {TOKENS} tokens per micro-batch the budget holds 5 layer inputs on the card")
+    longest = int(message.split("for the layer inputs is ")[1].split(" tokens")[0])
+    assert 0 < longest < TOKENS and "raise `vram_budget`, free host memory" in message
+    # That length fits the same budget and host memory, one token more does not (tokens under 1024: any length).
+    assert budget.plan(longest, host_bytes=2 * ONE).inputs is not None
+    with pytest.raises(ValueError):
+        budget.plan(longest + 1, host_bytes=2 * ONE)
+    # Control: with host memory for every input the same budget splits them.
+    assert budget.plan(TOKENS, host_bytes=LAYERS * ONE).inputs.levels == (2, 6, None)
+
+
+def test_a_budget_under_the_step_without_its_inputs_is_refused_too() -> None:
+    with pytest.raises(ValueError, match="3 on the card at a time, the fewest any choice keeps") as failure:
+        _budget(budget=_made_up(3) - 1).plan(TOKENS, host_bytes=LAYERS * ONE)
+    assert "The longest micro-batch that fits this budget" in str(failure.value)
+
+
+def test_set_options_and_no_budget_decide_as_before() -> None:
+    """An explicit option wins; without a budget, or with block-major windows, offload is all or nothing."""
+    tight = _made_up(5)
+    # The option unset but the choice off (`offload_activations` or `input_checkpoint_every` set): all offloaded.
+    forced = _budget(budget=tight, choose_inputs=False).plan(TOKENS, host_bytes=LAYERS * ONE)
+    assert forced.inputs is None and forced.offload and forced.shape.offloaded_layers is None
+    assert _budget(budget=tight, choose_inputs=False, offload=True).plan(TOKENS).shape.offloaded_layers is None
+    with pytest.raises(ValueError, match="tokens per micro-batch, the budget"):
+        _budget(budget=tight, choose_inputs=False, offload=False).plan(TOKENS)
+    # The user's k is the plan's, counted: k=4 keeps 2 and replays 4, which a card for 6 holds without offload.
+    every4 = _budget(budget=_made_up(6), choose_inputs=False, checkpoint_every=4).plan(TOKENS)
+    assert every4.inputs is None and not every4.offload and every4.shape.checkpoint_every == 4
+    # No budget: the device limit decides, all or nothing; a window keeps every input on the card.
+    unbudgeted = _budget(device_limit=tight).plan(TOKENS, host_bytes=0)
+    assert unbudgeted.inputs is None and unbudgeted.offload and unbudgeted.shape.offloaded_layers is None
+    window = _budget(budget=10 * tight, window=2).plan(TOKENS, host_bytes=0)
+    assert window.inputs is None and not window.offload
+
+
+def test_the_cards_budget_that_fits_no_choice_gives_way_to_streaming() -> None:
+    """NOTE [ The card as the default budget ]: streamed unbudgeted, saying why and the longest length that fits."""
+    plan = _budget(budget=_made_up(5), card=True).plan(TOKENS, host_bytes=2 * ONE)
+    assert plan.over_card is not None and "The longest micro-batch that fits" in plan.over_card
+    assert plan.inputs is None and plan.residency.resident == ()
+
+
+@pytest.mark.parametrize(
+    ("offload", "every", "chooses"), [(None, None, True), (False, None, False), (None, 3, False), (2, None, False)]
+)
+def test_the_strategy_chooses_only_where_both_options_are_unset(offload: Any, every: Any, chooses: bool) -> None:
+    module = CausalLMModule(lambda: build_model("llama"))
+    split = offload if offload is None or isinstance(offload, bool) else True
+    budget = StepBudget.for_module(
+        module,
+        module.model,
+        [1024] * 4,
+        torch.device("cpu"),
+        prefetch_depth=2,
+        budget=None,
+        offload=split,
+        offloaded_layers=offload if split is True else None,
+        checkpoint_every=every,
+    )
+    assert budget.choose_inputs is chooses and budget.checkpoint_every == every
+
+
+def test_the_memory_model_counts_input_checkpoints() -> None:
+    """k=2 of 8 layers keeps 4 inputs and replays 2: the peak of 6 inputs on the card, as a split of 6 has."""
+    shape = StepShape(tokens=TOKENS, hidden_size=64, intermediate_size=128, vocab_size=100, num_layers=LAYERS)
+    every2 = replace(shape, checkpoint_every=2)
+    split_of_six = replace(shape, offload_inputs=True, offloaded_layers=5)
+    assert every2.activation_peak() == split_of_six.activation_peak() < shape.activation_peak()
+    # Offloaded, only the checkpoints among the first 5 layers (0, 2, 4) wait in host memory.
+    offloaded = replace(every2, offload_inputs=True, offloaded_layers=5)
+    assert offloaded.host_inputs() == 3 and offloaded.offloaded_host_bytes() == 3 * ONE
+
+
+def test_host_room_is_what_the_arenas_check_sees_less_its_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_budget, "available_host_memory", lambda: step_budget.HOST_RAM_RESERVE + 10 * ONE)
+    assert (host_room(), host_room(2)) == (10 * ONE, 5 * ONE)
+    monkeypatch.setattr(step_budget, "available_host_memory", lambda: 1)
+    assert host_room() == 0
+
+
+# --- runs: the tests' 8-layer NF4 Llama, two rows of SEQ tokens per micro-batch -----------------------------------
+
+RUN_TOKENS = 2 * SEQ
+#: One layer input of the runs' model at ``RUN_TOKENS``.
+RUN_ONE = RUN_TOKENS * CONFIGS["llama"]().hidden_size * 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama8_checkpoint: Path) -> Path:
+    return tiny_llama8_checkpoint
+
+
+def _nf4(checkpoint: Path) -> Any:
+    return lambda: build_model("llama", checkpoint=checkpoint, quantized=True)
+
+
+@pytest.fixture(scope="module")
+def probe(checkpoint: Path) -> StepBudget:
+    """The run's step budget (no budget on the CPU): what the budgets below are computed from."""
+    strategy = BlockwiseStrategy(budget_tokens=RUN_TOKENS)
+    fit(CausalLMModule(_nf4(checkpoint)), strategy, max_steps=1)
+    assert strategy._planner is not None and strategy._planner.budget.choose_inputs
+    return strategy._planner.budget
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint: Path) -> Any:
+    return fit(CausalLMModule(_nf4(checkpoint)), "auto", max_steps=2)
+
+
+@pytest.fixture
+def no_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host memory free for layer inputs stood in: none, so that only the card and k remain."""
+    monkeypatch.setattr(step_budget, "host_room", lambda ranks=1: 0)
+
+
+class _ForwardCounts(Callback):
+    """Each layer's attention forwards in training: 2 per micro-batch recomputed, 3 replayed (a segment's top: 2)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * LAYERS
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for index, layer in enumerate(pl_module.model.get_decoder().layers):
+            attn, forward = layer.self_attn, layer.self_attn.forward
+            attn.forward = lambda *a, index=index, forward=forward, **k: (self._count(index), forward(*a, **k))[1]
+
+    def _count(self, index: int) -> None:
+        self.counts[index] += 1
+
+
+def _every2(micro_batches: int) -> list[int]:
+    return [micro_batches * (2 if layer % 2 else 3) for layer in range(LAYERS)]
+
+
+@pytest.mark.usefixtures("no_host_memory")
+def test_a_budget_the_inputs_do_not_fit_trains_one_in_two_exactly(checkpoint: Path, probe: StepBudget, resident: Any):
+    """A budget for 6 of the 8 inputs and no host memory: the strategy keeps one in 2 by itself, == resident."""
+    strategy = BlockwiseStrategy(vram_budget=_holding(probe, 6, RUN_TOKENS), budget_tokens=RUN_TOKENS)
+    counts = _ForwardCounts()
+    run = fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[counts], max_steps=2)
+    plan = strategy.step_plan
+    assert plan is not None and plan.inputs is not None and plan.inputs.levels == InputLevels(4, 0, 2)
+    assert plan.shape.checkpoint_every == 2 and not plan.offload and plan.residency.kept == ()
+    assert_equal_runs(resident, run)
+    # The segments were replayed: each layer but a segment's top ran three times per micro-batch.
+    assert counts.counts == _every2(len(run.losses))
+
+
+@pytest.mark.usefixtures("no_host_memory")
+def test_control_the_chosen_replay_under_another_rng_state_differs(
+    checkpoint: Path, probe: StepBudget, resident: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def replay_without_rng(self: Segment, below: int, position: int) -> None:
+        hidden = self._inputs[below]
+        for index in range(below, position):
+            layer, call, _ = self.members[index]
+            layer.residency.acquire(layer.index, Pass.REPLAY)
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), call.autocast_context():
+                hidden = layer.rerun(hidden, call)
+            layer.residency.release(layer.index, Pass.REPLAY)
+            self._inputs[index + 1] = hidden
+
+    monkeypatch.setattr(Segment, "_replay", replay_without_rng)
+    strategy = BlockwiseStrategy(vram_budget=_holding(probe, 6, RUN_TOKENS), budget_tokens=RUN_TOKENS)
+    assert runs_differ(resident, fit(CausalLMModule(_nf4(checkpoint)), strategy, max_steps=2))
+
+
+SHORT = 2 * 6
+
+
+def _growing_batches() -> list[dict[str, Tensor]]:
+    return padded_batches(2, seq=6) + padded_batches(2, seq=SEQ) + padded_batches(2, seq=6, seed=99)
+
+
+@pytest.mark.usefixtures("no_host_memory")
+def test_a_longer_batch_moves_the_inputs_between_steps_exactly(checkpoint: Path, probe: StepBudget) -> None:
+    """Planned for the short batches, every input on the card; the long one re-plans to one in 2, still exact."""
+    budget = _holding(probe, 6, RUN_TOKENS)
+    short = replace(probe, budget=budget).plan(SHORT, host_bytes=0)
+    assert short.inputs is not None and short.inputs.levels == InputLevels(LAYERS, 0, None)
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SHORT)
+    counts = _ForwardCounts()
+    run = fit(CausalLMModule(_nf4(checkpoint)), strategy, _growing_batches(), callbacks=[counts], max_steps=3)
+    plan = strategy.step_plan
+    assert plan is not None and plan.tokens == RUN_TOKENS and plan.inputs is not None
+    assert plan.inputs.levels == InputLevels(4, 0, 2)
+    assert_equal_runs(fit(CausalLMModule(_nf4(checkpoint)), "auto", _growing_batches(), max_steps=3), run)
+    # Two short micro-batches recomputed each layer once; from the long one on (the plan only grows), one in 2.
+    assert counts.counts == [2 * 2 + runs for runs in _every2(4)]
+
+
+def test_a_budget_that_fits_no_way_is_refused_at_setup_with_the_longest_length(
+    checkpoint: Path, probe: StepBudget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(step_budget, "host_room", lambda ranks=1: 2 * RUN_ONE)
+    budget = _holding(probe, 5, RUN_TOKENS)
+    module = CausalLMModule(_nf4(checkpoint))
+    with pytest.raises(MisconfigurationException) as failure:
+        fit(module, BlockwiseStrategy(vram_budget=budget, budget_tokens=RUN_TOKENS), max_steps=1)
+    message = str(failure.value)
+    assert message.startswith(f"`BlockwiseStrategy(vram_budget={budget})`: at {RUN_TOKENS} tokens per micro-batch")
+    planned = replace(probe, budget=budget)
+    longest = max(n for n in range(1, RUN_TOKENS) if _fits(planned, n, 2 * RUN_ONE))
+    assert f"for the layer inputs is {longest} tokens" in message and module.losses == []
+    # Control: with host memory for every input the same budget plans (a split).
+    assert _fits(planned, RUN_TOKENS, LAYERS * RUN_ONE)
+
+
+def _fits(budget: StepBudget, tokens: int, host_bytes: int) -> bool:
+    try:
+        budget.plan(tokens, host_bytes=host_bytes)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.usefixtures("no_host_memory")
+def test_an_explicit_option_wins(checkpoint: Path, probe: StepBudget) -> None:
+    budget = _holding(probe, 6, RUN_TOKENS)
+    every4 = BlockwiseStrategy(vram_budget=budget, budget_tokens=RUN_TOKENS, input_checkpoint_every=4)
+    fit(CausalLMModule(_nf4(checkpoint)), every4, max_steps=1)
+    assert every4.step_plan is not None and every4.step_plan.inputs is None
+    assert every4.step_plan.shape.checkpoint_every == 4
+    # Every input on the card, as asked: refused where the choice would have kept one in 2.
+    kept = BlockwiseStrategy(vram_budget=budget, budget_tokens=RUN_TOKENS, offload_activations=False)
+    with pytest.raises(MisconfigurationException, match=f"at {RUN_TOKENS} tokens per micro-batch, the budget"):
+        fit(CausalLMModule(_nf4(checkpoint)), kept, max_steps=1)
