@@ -1,5 +1,6 @@
-"""Faster layers as the module's choice: Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (``liger.py``), and LoRA's
-update fused into its second matmul (``fused_lora.py``).
+"""Faster layers as the module's choice: Liger-Kernel's kernels (``liger.py``), LoRA's update fused (``fused_lora.py``).
+
+Liger-Kernel brings Triton RMSNorm, RoPE and SwiGLU; the fused update adds each LoRA product inside its second matmul.
 
 Like the long-context tools, switches on the model that every strategy then trains, so blockwise == resident holds
 for the module that turned them on.

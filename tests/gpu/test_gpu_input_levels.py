@@ -48,7 +48,8 @@ class _Measured(Callback):
         self.pinned = self.to_host = 0
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        offload = trainer.strategy.activation_offload
+        # The resident run's strategy ("auto") has no offload.
+        offload = getattr(trainer.strategy, "activation_offload", None)
         if offload is not None:
             self.pinned = offload.host_bytes
             self.to_host = offload.reset_stats().device_to_host_bytes
