@@ -85,6 +85,13 @@ def _lora_linears(model: nn.Module) -> list[LoraLayer]:
     return [m for m in model.modules() if isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)]
 
 
+def lora_variants_in(model: nn.Module) -> list[str]:
+    """The PEFT variants (``"DoraLinearVariant"``, ...) of ``model``'s LoRA linears, which the fused update refuses."""
+    return sorted(
+        {type(variant).__name__ for layer in _lora_linears(model) for variant in (layer.lora_variant or {}).values()}
+    )
+
+
 def use_fused_lora(model: nn.Module) -> int:
     """Add every LoRA linear's update inside its second matmul (NOTE [ Fused LoRA update ]).
 
@@ -150,4 +157,4 @@ def fused_lora_in(model: nn.Module) -> bool:
     return any(isinstance(vars(layer).get("forward"), FusedLoraForward) for layer in _lora_linears(model))
 
 
-__all__ = ["FusedLoraForward", "fused_lora_in", "unuse_fused_lora", "use_fused_lora"]
+__all__ = ["FusedLoraForward", "fused_lora_in", "lora_variants_in", "unuse_fused_lora", "use_fused_lora"]

@@ -22,7 +22,7 @@ from lightning_blockwise.export.adapter import check_export_target, export_adapt
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
-from lightning_blockwise.recipes.kernel_choice import check_device, install_kernels, kernel_choice
+from lightning_blockwise.recipes.kernel_choice import check_device, install_kernels, kernel_choice, resolve_auto
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.schedules import warmup_cosine
@@ -98,8 +98,10 @@ class CausalLMFineTune(pl.LightningModule):
             "lightning-blockwise[kernels]"``; refused with ``mlp_tile_tokens``, both replace the MLPs' forward);
             ``"fused_lora"``, each LoRA update added inside its second matmul
             (:func:`~lightning_blockwise.kernels.fused_lora.use_fused_lora`; any device; plain LoRA, not DoRA).
-            ``None`` (default): the model's and PEFT's own layers. Each changes the rounding, so it applies under
-            every strategy (NOTE [ Liger kernels and exactness ] in kernels/liger.py).
+            ``"auto"`` (default): the fused update for plain LoRA, and Liger's where it is installed, the Trainer
+            trains on CUDA and the MLPs are not tiled, decided when the model is built (the log says what);
+            ``None``: the model's and PEFT's own layers. Each changes the rounding, so it applies under every
+            strategy (NOTE [ Liger kernels and exactness ] in kernels/liger.py).
         adapter_path: A PEFT adapter directory (an earlier run's export, ``<log_dir>/adapter``) to start from
             instead of fresh adapters: to continue training it, or to ``validate`` or ``test`` it. The adapter's own
             ``adapter_config.json`` then decides the rank, alpha, dropout, targets and DoRA (the LoRA arguments above
@@ -145,7 +147,7 @@ class CausalLMFineTune(pl.LightningModule):
         mlp_tile_tokens: int | None = None,
         quantize: bool = True,
         adapter_path: str | None = None,
-        kernels: str | list[str] | None = None,
+        kernels: str | list[str] | None = "auto",
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -186,14 +188,18 @@ class CausalLMFineTune(pl.LightningModule):
             check_adapter_dir(hp.adapter_path)
         strategy = self.trainer.strategy if self._trainer is not None else None
         # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
-        check_device(self._kernels, None if strategy is None else strategy.root_device.type)
+        device_type = None if strategy is None else strategy.root_device.type
+        check_device(self._kernels, device_type)
         base = load_base(hp.checkpoint, hp.loader, hp.compute_dtype, hp.quantize, hp.random_init, strategy)
         self.model = add_adapters(
             base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora
         )
         if hp.dora_norm == "factored":
             factor_dora_norms(self.model)
-        install_kernels(self.model, self._kernels)
+        kernels = self._kernels
+        if kernels is None:  # "auto": decided once, here, so every strategy trains the same function
+            kernels = resolve_auto(self.model, device_type, self.mlp_tile_tokens)
+        install_kernels(self.model, kernels)
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)

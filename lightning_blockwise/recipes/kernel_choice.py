@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_blockwise.kernels.fused_lora import use_fused_lora
-from lightning_blockwise.kernels.liger import require_liger, use_liger_kernels
+from lightning_blockwise.architectures import find_decoder_stack
+from lightning_blockwise.kernels.fused_lora import lora_variants_in, use_fused_lora
+from lightning_blockwise.kernels.liger import LIGER_MODEL_TYPES, require_liger, use_liger_kernels
 
 #: The names ``kernels`` takes: Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA), and the fused LoRA update
 #: (any device; kernels/fused_lora.py).
 KERNELS = ("liger", "fused_lora")
+#: ``kernels="auto"`` (the recipe's default): every kernel that applies, decided when the model is built.
+AUTO = "auto"
 
 
-def kernel_choice(kernels: str | Sequence[str] | None, mlp_tile_tokens: int | None, use_dora: bool) -> frozenset[str]:
-    """The set of kernels ``kernels`` names, refused when unknown, clashing, or missing its library.
+def kernel_choice(
+    kernels: str | Sequence[str] | None, mlp_tile_tokens: int | None, use_dora: bool
+) -> frozenset[str] | None:
+    """The set of kernels ``kernels`` names (``None`` for ``"auto"``), refused when unknown, clashing, or missing.
 
     Raises:
         MisconfigurationException: If a name is not in :data:`KERNELS`, ``"liger"`` comes with ``mlp_tile_tokens``
             (both replace the MLPs' forward) or without Liger-Kernel installed, or ``"fused_lora"`` with DoRA.
     """
+    if kernels == AUTO:
+        return None
     if kernels is None:
         return frozenset()
     names = [kernels] if isinstance(kernels, str) else list(kernels)
@@ -29,7 +38,7 @@ def kernel_choice(kernels: str | Sequence[str] | None, mlp_tile_tokens: int | No
     if unknown:
         raise MisconfigurationException(
             f"CausalLMFineTune(kernels={kernels!r}): {', '.join(map(repr, unknown))} is not a kernel choice; choose"
-            f" from {', '.join(map(repr, KERNELS))} (one, a list of them, or None)."
+            f" 'auto', None, or from {', '.join(map(repr, KERNELS))} (one or a list)."
         )
     choice = frozenset(names)
     if "liger" in choice and mlp_tile_tokens is not None:
@@ -48,17 +57,48 @@ def kernel_choice(kernels: str | Sequence[str] | None, mlp_tile_tokens: int | No
     return choice
 
 
-def check_device(choice: frozenset[str], device_type: str | None) -> None:
-    """Refuse Liger's kernels on a device other than CUDA, before the base loads.
+def check_device(choice: frozenset[str] | None, device_type: str | None) -> None:
+    """Refuse Liger's kernels, asked for by name, on a device other than CUDA, before the base loads.
 
     Raises:
         MisconfigurationException: If ``"liger"`` is chosen and the Trainer trains on another device.
     """
-    if "liger" in choice and device_type is not None and device_type != "cuda":
+    if choice is not None and "liger" in choice and device_type is not None and device_type != "cuda":
         raise MisconfigurationException(
             f"CausalLMFineTune(kernels='liger') needs a CUDA device (Liger-Kernel's Triton kernels), but the"
             f" Trainer trains on {device_type}. Drop 'liger' from `kernels` (YAML: `kernels: null`) or train on a GPU."
         )
+
+
+def resolve_auto(model: nn.Module, device_type: str | None, mlp_tile_tokens: int | None) -> frozenset[str]:
+    """What ``kernels="auto"`` installs on ``model`` (after its adapters), and a log line saying what and why.
+
+    The fused LoRA update wherever the adapters are plain LoRA; Liger-Kernel's where it is installed, the Trainer
+    trains on CUDA, the architecture is one Liger knows and the MLPs are not tiled. Each changes the rounding against
+    the model's and PEFT's own layers, under every strategy alike (NOTE [ Liger kernels and exactness ] in
+    kernels/liger.py): decided here once, so a resident and a blockwise run of the module train the same function.
+    """
+    choice, reasons = set(), []
+    variants = lora_variants_in(model)
+    if variants:
+        reasons.append(f"no fused LoRA update ({variants} adapters)")
+    else:
+        choice.add("fused_lora")
+    liger_missing = importlib.util.find_spec("liger_kernel") is None
+    model_type = find_decoder_stack(model, allow_unvalidated=True).model_type
+    if liger_missing:
+        reasons.append('no Liger-Kernel: not installed (`pip install "lightning-blockwise[kernels]"`)')
+    elif device_type != "cuda":
+        reasons.append(f"no Liger-Kernel: its kernels need CUDA, the Trainer trains on {device_type}")
+    elif mlp_tile_tokens is not None:
+        reasons.append("no Liger-Kernel: the MLPs are tiled (mlp_tile_tokens)")
+    elif model_type not in LIGER_MODEL_TYPES:
+        reasons.append(f"no Liger-Kernel: it does not know model_type {model_type!r}")
+    else:
+        choice.add("liger")
+    chosen = " and ".join(sorted(choice)) or "none"
+    rank_zero_info(f"CausalLMFineTune(kernels='auto'): {chosen}" + (f"; {'; '.join(reasons)}" if reasons else ""))
+    return frozenset(choice)
 
 
 def install_kernels(model: nn.Module, choice: frozenset[str]) -> None:
@@ -74,4 +114,4 @@ def install_kernels(model: nn.Module, choice: frozenset[str]) -> None:
         use_fused_lora(model)
 
 
-__all__ = ["KERNELS", "check_device", "install_kernels", "kernel_choice"]
+__all__ = ["AUTO", "KERNELS", "check_device", "install_kernels", "kernel_choice", "resolve_auto"]

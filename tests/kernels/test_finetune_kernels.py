@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -10,8 +11,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.kernels.fused_lora import fused_lora_in
 from lightning_blockwise.kernels.liger import liger_kernels_in
+from lightning_blockwise.recipes import kernel_choice
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from tests.helpers.models import NUM_LAYERS, trainer
+from lightning_blockwise.recipes.kernel_choice import resolve_auto
+from tests.helpers.models import NUM_LAYERS, build_model, trainer
 
 
 def test_kernels_liger_installs_the_switch_after_the_adapters(checkpoints: dict[str, Path]) -> None:
@@ -21,11 +24,11 @@ def test_kernels_liger_installs_the_switch_after_the_adapters(checkpoints: dict[
     # The MLP's Liger forward calls the adapted linears.
     mlp = module.model.get_base_model().model.layers[0].mlp
     assert "lora_A" in dict(mlp.gate_proj.named_children())
-    # Control: the default leaves the model's own layers.
-    plain = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32")
+    # Control: None leaves the model's own layers.
+    plain = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32", kernels=None)
     plain.configure_model()
     assert liger_kernels_in(plain.model) == {"rms_norm": 0, "rope": 0, "mlp": 0}
-    assert plain.hparams.kernels is None
+    assert not fused_lora_in(plain.model)
 
 
 def test_kernels_liger_on_a_cpu_trainer_is_refused_before_the_base_loads(tmp_path: Path) -> None:
@@ -43,7 +46,7 @@ def test_kernels_liger_on_a_cpu_trainer_is_refused_before_the_base_loads(tmp_pat
 
 
 def test_kernels_choices_and_combinations_are_checked_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(MisconfigurationException, match=r"'unsloth' is not a kernel choice; choose from 'liger'"):
+    with pytest.raises(MisconfigurationException, match=r"'unsloth' is not a kernel choice; choose 'auto', None"):
         CausalLMFineTune("/no/such/checkpoint", kernels=["fused_lora", "unsloth"])
     with pytest.raises(MisconfigurationException, match=r"mlp_tile_tokens=4096\): Liger's fused SwiGLU and the tiled"):
         CausalLMFineTune("/no/such/checkpoint", kernels="liger", mlp_tile_tokens=4096)
@@ -66,7 +69,43 @@ def test_kernels_fused_lora_installs_on_every_adapted_linear_on_the_cpu(checkpoi
     module.configure_model()
     assert fused_lora_in(module.model)
     assert liger_kernels_in(module.model) == {"rms_norm": 0, "rope": 0, "mlp": 0}
-    # Control: the default leaves PEFT's forward.
-    plain = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32")
+    # Control: None leaves PEFT's forward.
+    plain = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32", kernels=None)
     plain.configure_model()
     assert not fused_lora_in(plain.model)
+
+
+def test_kernels_auto_is_the_default_and_takes_what_applies_here(
+    checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the CPU: the fused update, not Liger (CUDA only), and the log says why."""
+    module = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32")
+    assert module.hparams.kernels == "auto"
+    with caplog.at_level(logging.INFO):
+        module.configure_model()
+    assert fused_lora_in(module.model)
+    assert liger_kernels_in(module.model) == {"rms_norm": 0, "rope": 0, "mlp": 0}
+    assert "kernels='auto'): fused_lora; no Liger-Kernel: its kernels need CUDA" in caplog.text
+    # Control: DoRA adapters get no fused update (it computes plain LoRA only), and "auto" does not refuse them.
+    dora = CausalLMFineTune(str(checkpoints["qwen2"]), lora_r=4, compute_dtype="float32", use_dora=True)
+    dora.configure_model()
+    assert not fused_lora_in(dora.model)
+
+
+@pytest.mark.parametrize(
+    ("device", "tile", "liger_installed", "expected"),
+    [
+        ("cuda", None, True, {"liger", "fused_lora"}),
+        ("cuda", 4096, True, {"fused_lora"}),
+        ("cuda", None, False, {"fused_lora"}),
+        ("cpu", None, True, {"fused_lora"}),
+    ],
+    ids=["cuda", "tiled-mlp", "liger-missing", "cpu"],
+)
+def test_kernels_auto_takes_liger_only_where_it_applies(
+    device: str, tile: int | None, liger_installed: bool, expected: set[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not liger_installed:
+        monkeypatch.setattr(kernel_choice.importlib.util, "find_spec", lambda name: None)
+    model = build_model("llama")
+    assert resolve_auto(model, device, tile) == expected
