@@ -3,6 +3,8 @@
     python -m benchmarks.block_major --shape 72b --accumulate 4 --windows 2 --warmup 1 \
         --arms resident blockwise blockwise:block_major --out results.jsonl
     python -m benchmarks.block_major --shape 123b --random-init --arms blockwise blockwise:block_major
+    python -m benchmarks.block_major --shape 123b --random-init --seq 2048 --accumulate 2 --cap-gib 22 \
+        --arms blockwise:block_major
 
 The step benchmark's model (random-init NF4, or with ``--base dense`` bf16, of a real Qwen2.5 shape, LoRA r=16
 on the seven projections without dropout: block-major accumulation refuses it), trained through ``Trainer.fit`` with
@@ -83,12 +85,19 @@ def main() -> None:
         action="store_true",
         help="build the base with random_blockwise into the host arena (never whole on the GPU), afresh for each arm",
     )
+    parser.add_argument(
+        "--cap-gib", type=float, default=None, help="cap the caching allocator from the start (a smaller card)"
+    )
     args = parser.parse_args()
     if args.random_init and "resident" in args.arms:
         parser.error(
             "--random-init builds the base into the host arena; drop the `resident` arm, which needs it on the GPU"
         )
     device = torch.device("cuda")
+    if args.cap_gib is not None:
+        # Before anything is allocated, as benchmarks/long_context.py's `card` does.
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total, device)
 
     def build() -> tuple[torch.nn.Module, Any]:
         start = time.perf_counter()
