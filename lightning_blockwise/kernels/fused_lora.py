@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from peft.tuners.lora.layer import LoraLayer
+from peft.tuners.lora.layer import VARIANT_KWARG_KEYS, LoraLayer
 from torch import Tensor, nn
 
 # NOTE [ Fused LoRA update ]
@@ -33,9 +33,11 @@ from torch import Tensor, nn
 #
 # It differs from PEFT's forward by rounding only, so, like the Liger kernels, it is the module's choice: installed
 # on the module, it runs under every strategy and blockwise == resident holds for that module
-# (tests/kernels/test_fused_lora.py; on the GPU tests/gpu/test_gpu_kernels.py). The operands of the addmm are
-# brought to the output's dtype first (under autocast they already are; without it, an fp32 adapter on a bf16
-# base computes its second matmul in bf16, where PEFT computes it in fp32 and rounds after). Adapters off, merged
+# (tests/kernels/test_fused_lora.py; on the GPU tests/gpu/test_gpu_fused_lora.py). The addmm runs outside autocast
+# with its operands in the base output's dtype: a bf16 output gets the bf16 GEMM autocast would run; an fp32 one
+# (fp32 hidden states over an NF4 base) stays fp32, as PEFT's sum with an fp32 output does, its update computed in
+# fp32 where PEFT's is bf16; an fp32 adapter on a bf16 base without autocast computes its second matmul in bf16,
+# where PEFT computes it in fp32 and rounds after. Adapters off, merged
 # or chosen per sample (`adapter_names`, inference) run PEFT's own forward: those states add no update to fuse.
 # Installed per instance (`layer.forward = FusedLoraForward(layer)`), the classes untouched, like the
 # factored DoRA norm (adapters/dora_norm.py).
@@ -53,17 +55,18 @@ class FusedLoraForward:
         if layer.disable_adapters or layer.merged or kwargs.get("adapter_names") is not None:
             return type(layer).forward(layer, x, *args, **kwargs)
         layer._check_forward_args(x, *args, **kwargs)
+        for key in VARIANT_KWARG_KEYS:  # as PEFT does: variants' arguments never reach the base layer
+            kwargs.pop(key, None)
         result = layer.base_layer(x, *args, **kwargs)
         for name in layer.active_adapters:
             if name not in layer.lora_A:
                 continue
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-            if x.dtype != lora_a.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-                # PEFT's cast (its `_cast_input_dtype`): an fp32 adapter on a bf16 input computes its first matmul
-                # in fp32 without autocast. Under autocast the matmul casts, so the input is not copied.
-                product = lora_a(layer.lora_dropout[name](x.to(lora_a.weight.dtype)))
-            else:
-                product = lora_a(layer.lora_dropout[name](x))
+            if not torch.is_autocast_enabled(x.device.type):
+                # PEFT's cast (an fp32 adapter on a bf16 input computes its first matmul in fp32 without autocast;
+                # `cast_input_dtype_enabled` turns it off). Under autocast the matmul casts, so x is not copied.
+                x = layer._cast_input_dtype(x, lora_a.weight.dtype)
+            product = lora_a(layer.lora_dropout[name](x))
             result = _add_product(result, product, lora_b.weight, layer.scaling[name])
         return result
 
@@ -71,12 +74,15 @@ class FusedLoraForward:
 def _add_product(result: Tensor, product: Tensor, weight_b: Tensor, scaling: float) -> Tensor:
     """``result + scaling * product @ weight_b.T``, one ``addmm`` in ``result``'s dtype (NOTE [ Fused LoRA update ])."""
     width = result.shape[-1]
-    fused = torch.addmm(
-        result.reshape(-1, width),
-        product.reshape(-1, product.shape[-1]).to(result.dtype),
-        weight_b.t().to(result.dtype),
-        alpha=scaling,
-    )
+    # Outside autocast: in the base output's own dtype, so an fp32 output (fp32 hidden states over an NF4 base)
+    # stays fp32 as under PEFT's forward; a bf16 one runs the bf16 GEMM autocast would have run.
+    with torch.autocast(result.device.type, enabled=False):
+        fused = torch.addmm(
+            result.reshape(-1, width),
+            product.reshape(-1, product.shape[-1]).to(result.dtype),
+            weight_b.t().to(result.dtype),
+            alpha=scaling,
+        )
     return fused.view(result.shape)
 
 
@@ -131,7 +137,7 @@ def use_fused_lora(model: nn.Module) -> int:
             raise ValueError(
                 f"use_fused_lora: `{names[layer]}` has {what}, which the fused update does not compute. Train those"
                 " adapters with PEFT's forward (do not call use_fused_lora; `CausalLMFineTune(kernels=...)` without"
-                " 'lora'), or use plain LoRA (`LoraConfig(use_dora=False, lora_bias=False)`)."
+                " 'fused_lora'), or use plain LoRA (`LoraConfig(use_dora=False, lora_bias=False)`)."
             )
     for layer in layers:
         layer.forward = FusedLoraForward(layer)

@@ -22,7 +22,13 @@ from lightning_blockwise.export.adapter import check_export_target, export_adapt
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
-from lightning_blockwise.recipes.kernel_choice import check_device, install_kernels, kernel_choice, resolve_auto
+from lightning_blockwise.recipes.kernel_choice import (
+    check_device,
+    check_fused_lora_adapter,
+    install_kernels,
+    kernel_choice,
+    resolve_auto,
+)
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.schedules import warmup_cosine
@@ -162,7 +168,8 @@ class CausalLMFineTune(pl.LightningModule):
             raise MisconfigurationException(f"CausalLMFineTune(dora_norm={dora_norm!r}): choose 'dense' or 'factored'.")
         _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
         _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
-        self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora)
+        # With `adapter_path` the adapter's own config decides DoRA: checked when the model is built, before the base.
+        self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora and adapter_path is None)
         self.save_hyperparameters()
         # Read by `BlockwiseStrategy`'s planner (the module declares what its step builds).
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -186,6 +193,7 @@ class CausalLMFineTune(pl.LightningModule):
         if hp.adapter_path is not None:
             # Before the base loads (minutes at 72B), not after.
             check_adapter_dir(hp.adapter_path)
+            check_fused_lora_adapter(self._kernels, hp.adapter_path)
         strategy = self.trainer.strategy if self._trainer is not None else None
         # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
         device_type = None if strategy is None else strategy.root_device.type

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -55,6 +57,23 @@ def kernel_choice(
     if "liger" in choice:
         require_liger()
     return choice
+
+
+def check_fused_lora_adapter(choice: frozenset[str] | None, adapter_path: str) -> None:
+    """Refuse ``"fused_lora"``, asked for by name, for a DoRA adapter directory, before the base loads.
+
+    Raises:
+        MisconfigurationException: If the adapter's ``adapter_config.json`` says ``use_dora``.
+    """
+    if choice is None or "fused_lora" not in choice:
+        return
+    config = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
+    if config.get("use_dora"):
+        raise MisconfigurationException(
+            f"CausalLMFineTune(kernels={sorted(choice)!r}, adapter_path={adapter_path!r}): the adapter is DoRA"
+            " (its adapter_config.json says use_dora), and the fused LoRA update computes plain LoRA only. Drop"
+            " 'fused_lora' (or use kernels='auto', which leaves DoRA on PEFT's forward)."
+        )
 
 
 def check_device(choice: frozenset[str] | None, device_type: str | None) -> None:
@@ -114,4 +133,12 @@ def install_kernels(model: nn.Module, choice: frozenset[str]) -> None:
         use_fused_lora(model)
 
 
-__all__ = ["AUTO", "KERNELS", "check_device", "install_kernels", "kernel_choice", "resolve_auto"]
+__all__ = [
+    "AUTO",
+    "KERNELS",
+    "check_device",
+    "check_fused_lora_adapter",
+    "install_kernels",
+    "kernel_choice",
+    "resolve_auto",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -109,3 +110,20 @@ def test_kernels_auto_takes_liger_only_where_it_applies(
         monkeypatch.setattr(kernel_choice.importlib.util, "find_spec", lambda name: None)
     model = build_model("llama")
     assert resolve_auto(model, device, tile) == expected
+
+
+def test_fused_lora_for_a_dora_adapter_directory_is_refused_before_the_base_loads(tmp_path: Path) -> None:
+    """With adapter_path the adapter's config decides DoRA (the constructor's use_dora is ignored)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
+    module = CausalLMFineTune("/no/such/checkpoint", kernels="fused_lora", adapter_path=str(adapter))
+    with pytest.raises(MisconfigurationException, match=r"the adapter is DoRA.*Drop 'fused_lora'"):
+        module.configure_model()
+    # Control: a plain LoRA adapter passes the check and goes on to load (and fails on the missing checkpoint),
+    # even with use_dora=True in the constructor, which the adapter's config overrides.
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": False}))
+    plain = CausalLMFineTune("/no/such/checkpoint", kernels="fused_lora", adapter_path=str(adapter), use_dora=True)
+    with pytest.raises(Exception) as loading:
+        plain.configure_model()
+    assert "DoRA" not in str(loading.value)

@@ -136,3 +136,76 @@ def test_dora_bias_and_plain_models_are_refused() -> None:
         use_fused_lora(biased)
     with pytest.raises(ValueError, match=r"no PEFT LoRA linear.*get_peft_model"):
         use_fused_lora(build_model("llama", peft=False))
+
+
+def _projection_outputs(model: nn.Module, autocast: bool) -> dict[str, Tensor]:
+    """Every LoRA linear's output for one batch (eval mode: no dropout), by module name."""
+    outputs: dict[str, Tensor] = {}
+    handles = [
+        module.register_forward_hook(lambda m, args, out, n=name: outputs.__setitem__(n, out.detach()))
+        for name, module in model.named_modules()
+        if module in _lora_layers(model)
+    ]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model.eval()(**padded_batches(1)[0])
+    for handle in handles:
+        handle.remove()
+    return outputs
+
+
+#: Projections whose input is the same with and without the switch (the first layer's attention inputs): later ones
+#: see the earlier layers' rounding too.
+_FIRST = ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj")
+
+
+def _first(outputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    chosen = {name: output for name, output in outputs.items() if name.endswith(_FIRST)}
+    assert len(chosen) >= 2
+    return chosen
+
+
+def test_an_fp32_output_under_autocast_stays_fp32_as_peft_returns_it(checkpoints: dict[str, Path]) -> None:
+    """fp32 hidden states over an NF4 base: PEFT's sum is fp32, so the fused update's must be (not a bf16 GEMM)."""
+    model = build_model("llama", checkpoint=checkpoints["llama"], quantized=True)
+    peft_outputs = _projection_outputs(model, autocast=True)
+    use_fused_lora(model)
+    fused_outputs = _projection_outputs(model, autocast=True)
+    assert peft_outputs.keys() == fused_outputs.keys() and peft_outputs
+    # The case this test is about: q/k/v and the MLP's gate/up take the fp32 normed hidden states.
+    assert torch.float32 in {o.dtype for o in peft_outputs.values()}
+    for name, output in fused_outputs.items():
+        assert output.dtype == peft_outputs[name].dtype, name
+    for name, output in _first(fused_outputs).items():
+        assert output.dtype == torch.float32
+        # Only the update differs: PEFT rounds it to bf16 (its random B makes it ~1 here, so ~4e-3), this keeps fp32.
+        torch.testing.assert_close(output, peft_outputs[name], rtol=2**-8, atol=1e-2)
+
+
+def test_several_active_adapters_and_an_fp32_adapter_on_a_bf16_model() -> None:
+    """Two adapters at once (each added in turn), and the cast without autocast: PEFT's function up to rounding."""
+    model = build_model("llama")
+    model.add_adapter(
+        "second", LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    )
+    model.base_model.set_adapter(["default", "second"])
+    peft_outputs = _projection_outputs(model, autocast=False)
+    use_fused_lora(model)
+    fused_outputs = _projection_outputs(model, autocast=False)
+    for name, output in _first(fused_outputs).items():
+        torch.testing.assert_close(output, peft_outputs[name], rtol=1e-5, atol=1e-6)
+    # Control: the second adapter contributes (dropping it moves the outputs it adapts).
+    model.base_model.set_adapter("default")
+    alone = _projection_outputs(model, autocast=False)
+    assert any(not torch.allclose(alone[n], fused_outputs[n]) for n in fused_outputs if n.endswith("q_proj"))
+    # A bf16 model with fp32 adapters, no autocast: the input is cast for lora_A as PEFT casts it.
+    bf16 = build_model("llama").to(torch.bfloat16)
+    for name, parameter in bf16.named_parameters():
+        if "lora_" in name:
+            parameter.data = parameter.data.float()
+    peft_bf16 = _projection_outputs(bf16, autocast=False)
+    use_fused_lora(bf16)
+    fused_bf16 = _projection_outputs(bf16, autocast=False)
+    for name, output in fused_bf16.items():
+        assert output.dtype == peft_bf16[name].dtype == torch.bfloat16
+    for name, output in _first(fused_bf16).items():
+        torch.testing.assert_close(output, peft_bf16[name], rtol=2**-7, atol=2**-7)
