@@ -97,4 +97,24 @@ def input_levels(
     )
 
 
-__all__ = ["INPUTS_IN_FLIGHT", "InputLevels", "card_inputs", "input_levels"]
+def fewest_on_card(layers: int, host_count: int) -> InputLevels:
+    """The levels with the fewest inputs on the card at a step's peak, at most ``host_count`` in host memory.
+
+    What a step that no card budget holds falls back to where host memory cannot take every input (NOTE [ Where
+    layer inputs wait ] in strategy/step_budget.py); of equal counts the cheaper one (no ``k``, then the smallest,
+    and the fewest in host memory).
+
+    Args:
+        layers: Decoder layers.
+        host_count: Inputs the host memory free for them holds.
+    """
+    choices = []
+    for k in [None, *range(2, layers + 1)]:
+        kept = layers if k is None else -(-layers // k)
+        for host in range(min(kept, max(0, host_count)) + 1):
+            choices.append((card_inputs(layers, host, k), InputLevels(kept - host, host, k)))
+    # `min` keeps the first of equal counts: the cheapest.
+    return min(choices, key=lambda choice: choice[0])[1]
+
+
+__all__ = ["INPUTS_IN_FLIGHT", "InputLevels", "card_inputs", "fewest_on_card", "input_levels"]

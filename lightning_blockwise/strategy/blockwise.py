@@ -302,8 +302,9 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             ranks=self.world_size,
             card=self._card is not None,
             checkpoint_every=self.input_checkpoint_every,
+            host_ranks=self.num_processes,
         )
-        self._planner = StepPlanner(budget, self._budget_owner)
+        self._planner = StepPlanner(budget, self._budget_owner, device)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
         plan = self._planner.first_plan(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.liger import liger_kernels_in
 from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
-from lightning_blockwise.planning.input_levels import InputLevels, card_inputs, input_levels
+from lightning_blockwise.planning.input_levels import InputLevels, card_inputs, fewest_on_card, input_levels
 from lightning_blockwise.planning.longest import GRANULARITY, longest_fit
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
 from lightning_blockwise.residency.arena import HOST_RAM_RESERVE, available_host_memory
@@ -37,14 +37,24 @@ from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 # block streamed (the memory model's count of inputs on the card, ``card_inputs``, is monotone, and
 # the splits of every input reach each count from the inputs in flight up to all of them, so a
 # bisection over the splits finds it), then ``input_levels`` for that card and the host memory free
-# now (what the arena's own check sees, less its reserve, shared among the ranks): every input on the
-# card, else the fewest in host memory, else the smallest k. Blocks stay resident or keep their
-# graphs with what the budget has left, as before. Where no split and no k fit, the run is refused
-# before the step, with the longest micro-batch that would fit (``longest_fit`` over the same
-# choice). Without a budget, offload is decided as before: all or nothing against the device's
-# limit; the card's budget that gives way to streaming (NOTE [ The card as the default budget ]) is
-# one such plan. Block-major windows keep every input on the card. Re-planning changes the levels
-# between steps only, where no input is held (``StreamedStack.set_input_levels``).
+# now: every input on the card, else the fewest in host memory, else the smallest k. Blocks stay
+# resident or keep their graphs with what the budget has left, as before. Where no split and no k
+# fit, the run is refused before the step, with the longest micro-batch that would fit
+# (``longest_fit`` over the same choice). Without a budget, offload is decided as before: all or
+# nothing against the device's limit; the card's budget that gives way to streaming (NOTE [ The card
+# as the default budget ]) is one such plan, except where the host memory cannot take every input:
+# there the inputs wait where the fewest stay on the card within it (``fewest_on_card``), and the
+# warning says that host memory was the limit. Block-major windows keep every input on the card.
+# Re-planning changes the levels between steps only, where no input is held
+# (``StreamedStack.set_input_levels``).
+#
+# The host memory free for the inputs (``StepPlanner``'s, for every plan) is what the arena's own
+# check sees, less its reserve, divided among the ranks on this machine (each offloads its own), plus,
+# at a re-plan, this rank's current slabs: they are freed before the new ones are allocated, so they
+# are room, not a shortage. With several processes every rank plans from the least of the ranks'
+# rooms (one all-reduce), and a step's tokens are the most of any rank's (one all-reduce before each
+# step), so every rank re-plans at the same step, from the same numbers, and chooses the same: one
+# rank alone refusing would leave the others waiting in DDP's first collective.
 
 #: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``: the
 #: CUDA context and kernels, which ``max_memory_allocated`` does not count (the cuBLAS workspaces it
@@ -138,7 +148,8 @@ class StepBudget:
         checkpoint_every: One layer input kept in this many, the others replayed (``input_checkpoint_every``).
         choose_inputs: Neither ``offload`` nor ``checkpoint_every`` was set: with a budget the planner chooses
             where the layer inputs wait (NOTE [ Where layer inputs wait ]).
-        ranks: Processes of the run, each offloading its own inputs: each plans for its share of host memory.
+        host_ranks: Processes on this machine, each offloading its own inputs: each plans for its share of its
+            host memory.
     """
 
     config: Any
@@ -162,7 +173,7 @@ class StepBudget:
     fused_mlp: bool = False
     checkpoint_every: int | None = None
     choose_inputs: bool = False
-    ranks: int = 1
+    host_ranks: int = 1
 
     @classmethod
     def for_module(
@@ -181,6 +192,7 @@ class StepBudget:
         offloaded_layers: int | None = None,
         card: bool = False,
         checkpoint_every: int | None = None,
+        host_ranks: int = 1,
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
@@ -206,6 +218,7 @@ class StepBudget:
                 not hold streams every block instead of being refused.
             checkpoint_every: The ``input_checkpoint_every`` option. With it and ``offload`` both ``None`` the planner
                 chooses where the layer inputs wait (NOTE [ Where layer inputs wait ]).
+            host_ranks: Processes on this machine (Lightning's devices per node), sharing its host memory.
         """
         head = model.get_output_embeddings()
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -232,8 +245,16 @@ class StepBudget:
             fused_mlp=liger_kernels_in(model)["mlp"] > 0,
             checkpoint_every=checkpoint_every,
             choose_inputs=offload is None and checkpoint_every is None,
-            ranks=ranks,
+            host_ranks=host_ranks,
         )
+
+    @property
+    def places_inputs(self) -> bool:
+        """Whether plans choose where the layer inputs wait, from the host memory free for them.
+
+        The choice left to the planner, a budget, no block-major window (NOTE [ Where layer inputs wait ]).
+        """
+        return self.choose_inputs and self.budget is not None and self.window == 1
 
     def shape(self, tokens: int, offload: bool, levels: InputLevels | None = None) -> StepShape:
         """The step shape at ``tokens`` tokens per micro-batch (with ``levels``, where they say, not ``offload``)."""
@@ -264,7 +285,9 @@ class StepBudget:
         With the card's budget (``card``), a step that does not fit it even with every block streamed is
         planned without a budget instead, every block streamed, and the plan says why (``over_card``): the card's
         budget is an estimate the user did not ask for, and the prediction errs high (a loss the module does not
-        declare counts as Hugging Face's), so such a run is not refused where it may well fit.
+        declare counts as Hugging Face's), so such a run is not refused where it may well fit. Where the plan chooses
+        where the layer inputs wait and the host memory cannot take them all, they wait where the fewest stay on the
+        card within it instead of all in host memory, and ``over_card`` says that host memory was the limit.
 
         With ``choose_inputs`` and a budget, where the layer inputs wait is chosen here (NOTE [ Where layer inputs
         wait ]).
@@ -279,6 +302,8 @@ class StepBudget:
                 plan chooses, in no split and no checkpoint spacing) does not fit the budget; says by how much,
                 the longest micro-batch that would fit where the plan chooses, and what to change.
         """
+        if host_bytes is None and self.places_inputs:
+            host_bytes = host_room(self.host_ranks)
         try:
             return self._plan(tokens, host_bytes)
         except ValueError as error:
@@ -287,18 +312,39 @@ class StepBudget:
             refusal = error
         # Unbudgeted, but offload decided against the card's budget (what this process may use, another job on the
         # card respected), not against the whole card's `device_limit`.
-        streamed = replace(self, budget=None, card=False, device_limit=self.budget)._plan(tokens)
+        unbudgeted = replace(self, budget=None, card=False, device_limit=self.budget)
+        streamed = unbudgeted._plan(tokens)
+        host_limit = ""
+        if self.places_inputs and host_bytes is not None and streamed.offload_host_bytes > host_bytes:
+            # Offloading every input needs host memory for all of them, often the very shortage that made the
+            # budgeted choice fail: the fewest on the card that the host memory allows instead.
+            streamed, host_limit = unbudgeted._host_limited(tokens, host_bytes, streamed.offload_host_bytes)
         why = (
-            f"the card's budget of {format_gib(self.budget)} is below what the plan predicts ({refusal}); every block"
-            " streams instead, unbudgeted. The prediction counts a loss the module does not declare as Hugging"
-            " Face's (declare `loss_chunk_tokens` with a chunked loss); if the step runs out of memory, offload the"
-            " layer inputs, tile the MLPs or shorten the micro-batches"
+            f"the card's budget of {format_gib(self.budget)} is below what the plan predicts ({refusal}){host_limit};"
+            " every block streams instead, unbudgeted. The prediction counts a loss the module does not declare as"
+            " Hugging Face's (declare `loss_chunk_tokens` with a chunked loss); if the step runs out of memory,"
+            " offload the layer inputs, tile the MLPs or shorten the micro-batches"
         )
         return replace(streamed, over_card=why)
 
+    def _host_limited(self, tokens: int, host_bytes: int, all_bytes: int) -> tuple[StepPlan, str]:
+        """The unbudgeted plan whose layer inputs keep the fewest on the card within ``host_bytes``, and why."""
+        one = self.shape(tokens, False).input_bytes()
+        levels = fewest_on_card(self.num_layers, host_bytes // one)
+        shape = self.shape(tokens, False, levels)
+        choice = InputChoice(levels, card_inputs(self.num_layers, levels.host_count, levels.k), host_bytes // one)
+        plan = StepPlan(tokens, self._residency(shape, None), shape.offload_inputs, shape, inputs=choice)
+        why = (
+            f". Host memory was the limit too: {format_gib(host_bytes)} free for the layer inputs holds"
+            f" {host_bytes // one} of the {self.num_layers} ({format_gib(all_bytes)} to offload them all), so they"
+            f" wait {levels.device_count} on the card, {levels.host_count} in host memory"
+            + (f", one in {levels.k} kept" if levels.k is not None else "")
+        )
+        return plan, why
+
     def _plan(self, tokens: int, host_bytes: int | None = None) -> StepPlan:
-        if self.choose_inputs and self.budget is not None and self.window == 1:
-            return self._plan_inputs(tokens, host_room(self.ranks) if host_bytes is None else host_bytes)
+        if self.places_inputs:
+            return self._plan_inputs(tokens, host_room(self.host_ranks) if host_bytes is None else host_bytes)
         choices = [self.offload] if self.offload is not None else [False] if self.window > 1 else [False, True]
         error: ValueError | None = None
         for offload in choices:
@@ -435,7 +481,7 @@ class StepBudget:
 def host_room(ranks: int = 1) -> int:
     """Host bytes this process may give its saved layer inputs now: what ``HostArena``'s check sees, less its reserve.
 
-    Each of ``ranks`` processes offloads its own inputs, so each gets its share.
+    Each of the ``ranks`` processes on this machine offloads its own inputs, so each gets its share.
     """
     return max(0, available_host_memory() - HOST_RAM_RESERVE) // ranks
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
+import torch
+import torch.distributed
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
+from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, host_room
 from lightning_blockwise.strategy.step_tokens import batch_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
@@ -23,6 +25,22 @@ def budget_errors(owner: str) -> Iterator[None]:
         raise MisconfigurationException(f"{owner}: {error}") from None
 
 
+def agreed(value: int, op: Literal["min", "max"], device: torch.device) -> int:
+    """``value`` reduced over the run's processes with ``op`` (one all-reduce on ``device``); itself with one.
+
+    Every process must call it at the same point (NOTE [ Where layer inputs wait ] in step_budget.py).
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return value
+    if torch.distributed.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(
+        tensor, op=torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.MAX
+    )
+    return int(tensor.item())
+
+
 class StepPlanner:
     """Holds the run's :class:`~.step_budget.StepPlan` and keeps the streamed stack in step with it.
 
@@ -34,11 +52,13 @@ class StepPlanner:
     Args:
         budget: What a step's device memory depends on.
         owner: How errors name the option they are about, e.g. ```BlockwiseStrategy(vram_budget=...)```.
+        device: Where the ranks' all-reduces run (the compute device: NCCL reduces CUDA tensors only).
     """
 
-    def __init__(self, budget: StepBudget, owner: str) -> None:
+    def __init__(self, budget: StepBudget, owner: str, device: torch.device | None = None) -> None:
         self.budget = budget
         self.owner = owner
+        self.device = torch.device("cpu") if device is None else device
         self.plan: StepPlan | None = None
         self._layers: StreamedStack | None = None
         self._paused = 0
@@ -82,6 +102,9 @@ class StepPlanner:
             MisconfigurationException: If the longer batch does not fit the budget.
         """
         tokens = batch_tokens(batch)
+        if tokens is not None and self.budget.places_inputs:
+            # Every rank re-plans at the same step, for the longest batch of any (NOTE [ Where layer inputs wait ]).
+            tokens = agreed(tokens, "max", self.device)
         if tokens is None or self.plan is None or tokens <= self.plan.tokens:
             return None
         self._adopt(self._plan_for(tokens))
@@ -100,9 +123,21 @@ class StepPlanner:
         assert self._layers is not None and self.plan is not None
         return self._layers.prefix_bytes(num_blocks, self.budget.layer_graph(self.plan.tokens))
 
+    def host_room(self) -> int:
+        """Host bytes a plan may give the layer inputs now, the same on every rank (NOTE [ Where layer inputs wait ]).
+
+        This rank's share of the host memory free, plus its current slabs (freed before a new plan's are allocated),
+        the least of every rank's.
+        """
+        room = host_room(self.budget.host_ranks)
+        if self._layers is not None and self._layers.offload is not None:
+            room += self._layers.offload.host_bytes
+        return agreed(room, "min", self.device)
+
     def _plan_for(self, tokens: int) -> StepPlan:
+        host_bytes = self.host_room() if self.budget.places_inputs else None
         with budget_errors(self.owner):
-            plan = self.budget.plan(tokens)
+            plan = self.budget.plan(tokens, host_bytes)
         if plan.over_card is not None:
             # Every rank plans for its own card: each says so (not rank 0 alone).
             warnings.warn(f"BlockwiseStrategy: at {tokens} tokens per micro-batch, {plan.over_card}.", stacklevel=2)
@@ -111,12 +146,14 @@ class StepPlanner:
     def _adopt(self, plan: StepPlan) -> None:
         """Make ``plan`` the run's: where its layer inputs wait, its resident blocks and its offload (between steps)."""
         assert self._layers is not None and self.plan is not None
-        old, self.plan = self.plan, plan
-        # NOTE [ Where layer inputs wait ] in step_budget.py: a re-plan may move them (the same levels: no change).
-        self._layers.set_input_levels(plan.shape.offloaded_layers, plan.shape.checkpoint_every)
-        self._layers.offload_inputs(plan.shape.input_bytes() if plan.offload else None)
-        if (old.residency.resident, old.residency.kept) != (plan.residency.resident, plan.residency.kept):
-            self._layers.restream(plan.residency.resident, plan.residency.kept)
+        self.plan = plan
+        # NOTE [ Where layer inputs wait ] in step_budget.py: a re-plan may move them, the old slabs freed first (the
+        # plan counted them as room), the streamer rebuilt once for a new k and new resident blocks together.
+        shape, residency = plan.shape, plan.residency
+        self._layers.set_input_levels(
+            shape.offloaded_layers, shape.checkpoint_every, residency.resident, residency.kept
+        )
+        self._layers.offload_inputs(shape.input_bytes() if plan.offload else None)
 
 
 __all__ = ["StepPlanner", "budget_errors"]

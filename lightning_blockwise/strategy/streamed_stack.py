@@ -140,21 +140,27 @@ class StreamedStack:
         if self.streamer is not None:
             self.install()
 
-    def set_input_levels(self, offloaded_layers: int | None, checkpoint_every: int | None) -> None:
+    def set_input_levels(
+        self,
+        offloaded_layers: int | None,
+        checkpoint_every: int | None,
+        resident: Iterable[int] | None = None,
+        kept: Iterable[int] | None = None,
+    ) -> None:
         """Offload the first ``offloaded_layers`` layers' inputs (``None``: all) and keep one in ``checkpoint_every``.
 
         Between steps, where a re-plan moves the layer inputs (NOTE [ Where layer inputs wait ] in step_budget.py):
-        the host slabs, counted for the old levels, are freed (:meth:`offload_inputs` allocates them again), and a
-        new ``checkpoint_every`` gets a streamer that prefetches along the new step order.
+        the host slabs are freed (the re-plan counted them as room; :meth:`offload_inputs` allocates the new ones),
+        and a new ``checkpoint_every`` or new ``resident``/``kept`` blocks (default: the same) get one new streamer,
+        which prefetches along the new step order and copies the resident blocks once.
         """
-        offloaded = len(self.layers) if offloaded_layers is None else offloaded_layers
-        if (offloaded, checkpoint_every) == (self.offloaded_layers, self.checkpoint_every):
-            return
         self.offload_inputs(None)
-        self.offloaded_layers = offloaded
-        if checkpoint_every != self.checkpoint_every:
+        self.offloaded_layers = len(self.layers) if offloaded_layers is None else offloaded_layers
+        resident = self.resident if resident is None else tuple(sorted(resident))
+        kept = self.kept if kept is None else tuple(sorted(kept))
+        if (checkpoint_every, resident, kept) != (self.checkpoint_every, self.resident, self.kept):
             self.checkpoint_every = checkpoint_every
-            self.restream()
+            self.restream(resident, kept)
 
     def restream(self, resident: Iterable[int] | None = None, kept: Iterable[int] | None = None) -> None:
         """Replace the streamer by a fresh one keeping ``resident`` (default: the same blocks) on the device.

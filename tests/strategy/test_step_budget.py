@@ -23,9 +23,12 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.planning import StepShape
 from lightning_blockwise.planning.input_levels import INPUTS_IN_FLIGHT, InputLevels
 from lightning_blockwise.replay.segments import Segment
+from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.strategy import step_budget
+from lightning_blockwise.strategy import step_budget, step_planner
 from lightning_blockwise.strategy.step_budget import StepBudget, host_room
+from lightning_blockwise.strategy.step_planner import StepPlanner
+from lightning_blockwise.strategy.streamed_stack import StreamedStack
 from tests.helpers.models import (
     CONFIGS,
     SEQ,
@@ -161,10 +164,20 @@ def test_set_options_and_no_budget_decide_as_before() -> None:
 
 
 def test_the_cards_budget_that_fits_no_choice_gives_way_to_streaming() -> None:
-    """NOTE [ The card as the default budget ]: streamed unbudgeted, saying why and the longest length that fits."""
+    """NOTE [ The card as the default budget ]: streamed unbudgeted, saying why and the longest length that fits.
+
+    Host memory for 2 inputs cannot take all 8 the all-or-nothing offload would send there: one in 2 kept instead,
+    and the warning says the host was the limit.
+    """
     plan = _budget(budget=_made_up(5), card=True).plan(TOKENS, host_bytes=2 * ONE)
     assert plan.over_card is not None and "The longest micro-batch that fits" in plan.over_card
-    assert plan.inputs is None and plan.residency.resident == ()
+    assert "Host memory was the limit too: " in plan.over_card and "holds 2 of the 8" in plan.over_card
+    assert plan.inputs is not None and plan.inputs.levels == InputLevels(4, 0, 2) and not plan.offload
+    assert plan.shape.checkpoint_every == 2 and plan.residency.resident == ()
+    # Control: with host memory for every input, the card that holds too few gives way to offloading them all.
+    roomy = _budget(budget=_made_up(3) - 1, card=True).plan(TOKENS, host_bytes=LAYERS * ONE)
+    assert roomy.over_card is not None and "Host memory was the limit" not in roomy.over_card
+    assert roomy.inputs is None and roomy.offload and roomy.shape.offloaded_layers is None
 
 
 @pytest.mark.parametrize(
@@ -201,8 +214,88 @@ def test_the_memory_model_counts_input_checkpoints() -> None:
 def test_host_room_is_what_the_arenas_check_sees_less_its_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_budget, "available_host_memory", lambda: step_budget.HOST_RAM_RESERVE + 10 * ONE)
     assert (host_room(), host_room(2)) == (10 * ONE, 5 * ONE)
+    # The plan's share is that of the ranks on this machine.
+    assert _budget(budget=_made_up(5), host_ranks=2).plan(TOKENS).inputs.host_holds == 5
     monkeypatch.setattr(step_budget, "available_host_memory", lambda: 1)
     assert host_room() == 0
+
+
+def _planner(monkeypatch: pytest.MonkeyPatch, measured: int, own_slabs: int | None) -> StepPlanner:
+    """A planner of the card for 5 inputs whose host share is ``measured``, with ``own_slabs`` allocated (or none)."""
+    monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: measured)
+    planner = StepPlanner(_budget(budget=_made_up(5)), "`vram_budget`")
+    offload = None if own_slabs is None else SimpleNamespace(host_bytes=own_slabs)
+    planner._layers = SimpleNamespace(offload=offload)  # type: ignore[assignment]
+    return planner
+
+
+def test_a_replan_counts_this_ranks_own_slabs_as_host_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slabs allocated now are freed before the new plan's: with them, the host holds the split of 6."""
+    planner = _planner(monkeypatch, measured=2 * ONE, own_slabs=5 * ONE)
+    assert planner.host_room() == 7 * ONE
+    assert planner._plan_for(TOKENS).inputs.levels == InputLevels(2, 6, None)
+    # Control: the same measured room without slabs of its own holds 2 inputs, and nothing fits.
+    with pytest.raises(MisconfigurationException, match="the host memory 2:"):
+        _planner(monkeypatch, measured=2 * ONE, own_slabs=None)._plan_for(TOKENS)
+
+
+class _TwoRanks:
+    """A stand-in for the process group of 2 ranks: the other rank's numbers, and the all-reduces made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, others: list[int]) -> None:
+        self.others = others
+        self.ops: list[Any] = []
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+        monkeypatch.setattr(torch.distributed, "all_reduce", self._all_reduce)
+
+    def _all_reduce(self, tensor: Tensor, op: Any) -> None:
+        self.ops.append(op)
+        other = self.others.pop(0)
+        tensor.fill_(min(int(tensor), other) if op == torch.distributed.ReduceOp.MIN else max(int(tensor), other))
+
+
+def test_every_rank_plans_from_the_least_host_room_and_the_longest_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 2 ranks: the host room is the least of both ranks' (so both split alike), a step's tokens the most."""
+    planner = _planner(monkeypatch, measured=LAYERS * ONE, own_slabs=None)
+    ranks = _TwoRanks(monkeypatch, others=[2 * ONE, 2 * ONE])
+    assert planner.host_room() == 2 * ONE and ranks.ops == [torch.distributed.ReduceOp.MIN]
+    # The other rank's host holds 2 inputs: both refuse, though this one alone would split (control: one rank).
+    with pytest.raises(MisconfigurationException, match="the host memory 2:"):
+        planner.first_plan(TOKENS)
+    ranks.others = [LAYERS * ONE]
+    planner.first_plan(TOKENS // 2)
+    assert planner.plan is not None and planner.plan.tokens == TOKENS // 2
+    # A short batch here, a long one on the other rank: both re-plan before this step, for the long one.
+    stack = SimpleNamespace(offload=None, set_input_levels=lambda *a: None, offload_inputs=lambda b: None)
+    planner._layers = stack  # type: ignore[assignment]
+    ranks.others, ranks.ops = [TOKENS, LAYERS * ONE], []
+    assert planner.see_batch({"input_ids": torch.zeros(1, TOKENS // 4, dtype=torch.long)}) is not None
+    assert planner.plan.tokens == TOKENS and planner.plan.inputs.levels == InputLevels(2, 6, None)
+    assert ranks.ops == [torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN]
+    # Control: every step agrees on its tokens, one all-reduce; no longer batch anywhere, no re-plan.
+    ranks.others, ranks.ops = [TOKENS], []
+    assert planner.see_batch({"input_ids": torch.zeros(1, 1, dtype=torch.long)}) is None
+    assert ranks.ops == [torch.distributed.ReduceOp.MAX]
+
+
+def test_the_host_share_is_that_of_the_ranks_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`host_ranks` is Lightning's processes on this node (3 here, stood in), not the world size (6: two nodes)."""
+    captured: dict[str, Any] = {}
+    for_module = StepBudget.for_module
+
+    def capture(*args: Any, **kwargs: Any) -> StepBudget:
+        captured.update(kwargs)
+        return for_module(*args, **kwargs)
+
+    monkeypatch.setattr(StepBudget, "for_module", capture)
+    monkeypatch.setattr(BlockwiseStrategy, "num_processes", property(lambda self: 3))
+    monkeypatch.setattr(BlockwiseStrategy, "world_size", property(lambda self: 6))
+    monkeypatch.setattr(BlockwiseStrategy, "is_distributed", property(lambda self: False))
+    strategy = BlockwiseStrategy(budget_tokens=SHORT)
+    fit(CausalLMModule(lambda: build_model("llama")), strategy, max_steps=1)
+    assert (captured["host_ranks"], captured["ranks"]) == (3, 6)
+    assert strategy._planner is not None and strategy._planner.budget.host_ranks == 3
 
 
 # --- runs: the tests' 8-layer NF4 Llama, two rows of SEQ tokens per micro-batch -----------------------------------
@@ -238,7 +331,7 @@ def resident(checkpoint: Path) -> Any:
 @pytest.fixture
 def no_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host memory free for layer inputs stood in: none, so that only the card and k remain."""
-    monkeypatch.setattr(step_budget, "host_room", lambda ranks=1: 0)
+    monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: 0)
 
 
 class _ForwardCounts(Callback):
@@ -301,17 +394,33 @@ def _growing_batches() -> list[dict[str, Tensor]]:
 
 
 @pytest.mark.usefixtures("no_host_memory")
-def test_a_longer_batch_moves_the_inputs_between_steps_exactly(checkpoint: Path, probe: StepBudget) -> None:
-    """Planned for the short batches, every input on the card; the long one re-plans to one in 2, still exact."""
+def test_a_longer_batch_moves_the_inputs_between_steps_exactly(
+    checkpoint: Path, probe: StepBudget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned for the short batches, every input on the card; the long one re-plans to one in 2, still exact.
+
+    The re-plan changes k and the resident blocks at once: one new streamer, the resident blocks copied once.
+    """
     budget = _holding(probe, 6, RUN_TOKENS)
     short = replace(probe, budget=budget).plan(SHORT, host_bytes=0)
     assert short.inputs is not None and short.inputs.levels == InputLevels(LAYERS, 0, None)
+    assert short.residency.resident != ()
+    streamers: list[tuple[int, ...]] = []
+    new_streamer = StreamedStack._new_streamer
+
+    def counted(self: StreamedStack, resident: Any) -> Any:
+        streamers.append(tuple(sorted(resident)))
+        return new_streamer(self, resident)
+
+    monkeypatch.setattr(StreamedStack, "_new_streamer", counted)
     strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SHORT)
     counts = _ForwardCounts()
     run = fit(CausalLMModule(_nf4(checkpoint)), strategy, _growing_batches(), callbacks=[counts], max_steps=3)
     plan = strategy.step_plan
     assert plan is not None and plan.tokens == RUN_TOKENS and plan.inputs is not None
     assert plan.inputs.levels == InputLevels(4, 0, 2)
+    # Setup's streamer, then one for the re-plan (resident blocks and k together); control: they did change.
+    assert streamers == [short.residency.resident, plan.residency.resident] != [short.residency.resident] * 2
     assert_equal_runs(fit(CausalLMModule(_nf4(checkpoint)), "auto", _growing_batches(), max_steps=3), run)
     # Two short micro-batches recomputed each layer once; from the long one on (the plan only grows), one in 2.
     assert counts.counts == [2 * 2 + runs for runs in _every2(4)]
@@ -320,7 +429,7 @@ def test_a_longer_batch_moves_the_inputs_between_steps_exactly(checkpoint: Path,
 def test_a_budget_that_fits_no_way_is_refused_at_setup_with_the_longest_length(
     checkpoint: Path, probe: StepBudget, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(step_budget, "host_room", lambda ranks=1: 2 * RUN_ONE)
+    monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: 2 * RUN_ONE)
     budget = _holding(probe, 5, RUN_TOKENS)
     module = CausalLMModule(_nf4(checkpoint))
     with pytest.raises(MisconfigurationException) as failure:
@@ -353,3 +462,41 @@ def test_an_explicit_option_wins(checkpoint: Path, probe: StepBudget) -> None:
     kept = BlockwiseStrategy(vram_budget=budget, budget_tokens=RUN_TOKENS, offload_activations=False)
     with pytest.raises(MisconfigurationException, match=f"at {RUN_TOKENS} tokens per micro-batch, the budget"):
         fit(CausalLMModule(_nf4(checkpoint)), kept, max_steps=1)
+
+
+@pytest.mark.parametrize("perturbed", [False, True])
+def test_a_replan_moves_the_inputs_from_one_host_split_to_another_exactly(
+    checkpoint: Path, probe: StepBudget, monkeypatch: pytest.MonkeyPatch, perturbed: bool
+) -> None:
+    """A card for 3 inputs at 24 tokens: 4 in host memory at 20 tokens, all 8 at 24, the slabs made again == resident.
+
+    Control: the offloaded inputs brought back changed by a little differ from resident training.
+    """
+    monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: 4 * LAYERS * RUN_ONE)
+    if perturbed:
+        load = ActivationOffload.load
+        monkeypatch.setattr(ActivationOffload, "load", lambda self, saved: load(self, saved) * 1.001)
+    seen: list[tuple[int, int]] = []
+
+    class Slabs(Callback):
+        def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, index: int) -> None:
+            layers = strategy._layers
+            assert layers is not None and layers.offload is not None
+            seen.append((layers.offloaded_layers, layers.offload.host_bytes))
+
+    def batches() -> list[dict[str, Tensor]]:
+        return padded_batches(2, seq=10) + padded_batches(2, seq=SEQ)
+
+    strategy = BlockwiseStrategy(vram_budget=_holding(probe, 3, RUN_TOKENS), budget_tokens=20)
+    run = fit(CausalLMModule(_nf4(checkpoint)), strategy, batches(), callbacks=[Slabs()], max_steps=2)
+    resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", batches(), max_steps=2)
+    if perturbed:
+        assert runs_differ(resident, run)
+        return
+    plan = strategy.step_plan
+    assert plan is not None and plan.tokens == RUN_TOKENS and plan.inputs is not None
+    assert plan.inputs.levels == InputLevels(0, LAYERS, None) and plan.shape.checkpoint_every is None
+    # Before each micro-batch, as the one before left them (the strategy re-plans in its `training_step`): 4 layers'
+    # inputs in host slabs until the first of 24 tokens moved all 8 there, in larger slabs.
+    assert [layers for layers, _ in seen] == [4, 4, 4, LAYERS] and 0 < seen[0][1] == seen[2][1] < seen[3][1]
+    assert_equal_runs(resident, run)
