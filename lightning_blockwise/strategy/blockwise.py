@@ -304,7 +304,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             checkpoint_every=self.input_checkpoint_every,
             host_ranks=self.num_processes,
         )
-        self._planner = StepPlanner(budget, self._budget_owner, device)
+        self._planner = StepPlanner(budget, self._budget_owner, device, self.host_group)
         tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
         plan = self._planner.first_plan(tokens)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.

@@ -87,6 +87,8 @@ class DataParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self._ddp_kwargs = dict(ddp_kwargs or {})
         self._watchdog: RankWatchdog | None = None
+        #: A gloo group over the same ranks for host-side agreements (:func:`host_group`); ``None`` with one process.
+        self.host_group: Any = None
 
     # DDPStrategy's own: node count, processes per node, the sampler's ranks, backend choice, world ranks, the process
     # group, and the collectives (each a no-op until a process group exists, as with one process).
@@ -137,6 +139,7 @@ class DataParallelStrategy(ParallelStrategy):
         super().setup_environment()
         if self.is_distributed:
             self.setup_distributed()
+            self.host_group = host_group()
             # NOTE [ A dead rank ends the run ] in rank_watchdog.py.
             self._watchdog = RankWatchdog(self._timeout)
 
@@ -184,9 +187,24 @@ class DataParallelStrategy(ParallelStrategy):
         if module is not None and module._trainer is not None and self._layer_sync:
             if module._trainer.state.fn == TrainerFn.FITTING:
                 self.model = self._layer_sync.revert(self.model)
+        if self.host_group is not None:
+            torch.distributed.destroy_process_group(self.host_group)
+            self.host_group = None
         super().teardown()
         if self.root_device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def host_group() -> Any:
+    """A gloo process group over every rank, for small agreements on host values; ``None`` if the default is gloo.
+
+    The step planner agrees on each step's tokens and on the host memory free (NOTE [ Where layer inputs wait ] in
+    step_budget.py): through NCCL that would be a CUDA tensor read back before every step, a wait for the GPU's
+    queue. A CPU tensor through gloo leaves the queue running. Every rank creates it at the same point (setup).
+    """
+    if torch.distributed.get_backend() == "gloo":
+        return None
+    return torch.distributed.new_group(backend="gloo")
 
 
 def _broadcast_trainable(module: nn.Module) -> None:
@@ -198,4 +216,4 @@ def _broadcast_trainable(module: nn.Module) -> None:
             torch.distributed.broadcast(param.data, src=0)
 
 
-__all__ = ["DataParallelStrategy"]
+__all__ = ["DataParallelStrategy", "host_group"]

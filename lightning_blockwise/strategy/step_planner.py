@@ -25,19 +25,21 @@ def budget_errors(owner: str) -> Iterator[None]:
         raise MisconfigurationException(f"{owner}: {error}") from None
 
 
-def agreed(value: int, op: Literal["min", "max"], device: torch.device) -> int:
-    """``value`` reduced over the run's processes with ``op`` (one all-reduce on ``device``); itself with one.
+def agreed(value: int, op: Literal["min", "max"], device: torch.device, group: Any = None) -> int:
+    """``value`` reduced over the run's processes with ``op`` (one all-reduce); itself with one process.
 
-    Every process must call it at the same point (NOTE [ Where layer inputs wait ] in step_budget.py).
+    Every process must call it at the same point (NOTE [ Where layer inputs wait ] in step_budget.py). With ``group``
+    (a gloo group: :func:`~.data_parallel.host_group`) the value is a CPU tensor, so an NCCL run does not wait for
+    its GPU queue here before every step; without one it goes through the default group on ``device``.
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return value
     if torch.distributed.get_world_size() == 1:
         return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(
-        tensor, op=torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.MAX
-    )
+    on_cpu = group is not None or torch.distributed.get_backend() == "gloo"
+    tensor = torch.tensor([value], dtype=torch.int64, device="cpu" if on_cpu else device)
+    reduce = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.MAX
+    torch.distributed.all_reduce(tensor, op=reduce, group=group)
     return int(tensor.item())
 
 
@@ -55,10 +57,12 @@ class StepPlanner:
         device: Where the ranks' all-reduces run (the compute device: NCCL reduces CUDA tensors only).
     """
 
-    def __init__(self, budget: StepBudget, owner: str, device: torch.device | None = None) -> None:
+    def __init__(self, budget: StepBudget, owner: str, device: torch.device | None = None, group: Any = None) -> None:
         self.budget = budget
         self.owner = owner
         self.device = torch.device("cpu") if device is None else device
+        #: The process group the ranks agree through (a gloo group under NCCL; ``None``: the default group).
+        self.group = group
         self.plan: StepPlan | None = None
         self._layers: StreamedStack | None = None
         self._paused = 0
@@ -104,7 +108,7 @@ class StepPlanner:
         tokens = batch_tokens(batch)
         if tokens is not None and self.budget.places_inputs:
             # Every rank re-plans at the same step, for the longest batch of any (NOTE [ Where layer inputs wait ]).
-            tokens = agreed(tokens, "max", self.device)
+            tokens = agreed(tokens, "max", self.device, self.group)
         if tokens is None or self.plan is None or tokens <= self.plan.tokens:
             return None
         self._adopt(self._plan_for(tokens))
@@ -132,7 +136,7 @@ class StepPlanner:
         room = host_room(self.budget.host_ranks)
         if self._layers is not None and self._layers.offload is not None:
             room += self._layers.offload.host_bytes
-        return agreed(room, "min", self.device)
+        return agreed(room, "min", self.device, self.group)
 
     def _plan_for(self, tokens: int) -> StepPlan:
         host_bytes = self.host_room() if self.budget.places_inputs else None

@@ -245,12 +245,15 @@ class _TwoRanks:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, others: list[int]) -> None:
         self.others = others
         self.ops: list[Any] = []
+        self.calls: list[tuple[Any, torch.device]] = []
         monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
         monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
         monkeypatch.setattr(torch.distributed, "all_reduce", self._all_reduce)
 
-    def _all_reduce(self, tensor: Tensor, op: Any) -> None:
+    def _all_reduce(self, tensor: Tensor, op: Any, group: Any = None) -> None:
         self.ops.append(op)
+        self.calls.append((group, tensor.device))
         other = self.others.pop(0)
         tensor.fill_(min(int(tensor), other) if op == torch.distributed.ReduceOp.MIN else max(int(tensor), other))
 
@@ -500,3 +503,26 @@ def test_a_replan_moves_the_inputs_from_one_host_split_to_another_exactly(
     # inputs in host slabs until the first of 24 tokens moved all 8 there, in larger slabs.
     assert [layers for layers, _ in seen] == [4, 4, 4, LAYERS] and 0 < seen[0][1] == seen[2][1] < seen[3][1]
     assert_equal_runs(resident, run)
+
+
+def test_ranks_agree_through_the_host_group_on_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL the agreement before every step goes through the gloo group: no CUDA tensor read back."""
+    planner = _planner(monkeypatch, measured=LAYERS * ONE, own_slabs=None)
+    gloo = object()
+    planner.group = gloo
+    ranks = _TwoRanks(monkeypatch, others=[LAYERS * ONE])
+    planner.host_room()
+    assert ranks.calls == [(gloo, torch.device("cpu"))]
+    # Control: without the group the value goes through the default (NCCL) group, on the planner's device.
+    seen: list[torch.device] = []
+    tensor = torch.tensor
+
+    def recording(*args: Any, **kwargs: Any) -> Tensor:
+        seen.append(torch.device(kwargs.pop("device")))
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(step_planner.torch, "tensor", recording)
+    planner.group, planner.device = None, torch.device("cuda", 3)
+    ranks.others, ranks.calls = [LAYERS * ONE], []
+    planner.host_room()
+    assert [group for group, _ in ranks.calls] == [None] and seen == [torch.device("cuda", 3)]
