@@ -245,6 +245,14 @@ def test_error_bad_options(kwargs: dict[str, Any]) -> None:
         BlockwiseStrategy(**kwargs)
 
 
+def test_error_find_unused_parameters_is_refused_at_construction() -> None:
+    """On 2 gloo ranks it fails in the first backward ("Expected to mark a variable ready only once")."""
+    with pytest.raises(MisconfigurationException, match=r"find_unused_parameters.*ready twice.*Leave it False"):
+        BlockwiseStrategy(ddp_kwargs={"find_unused_parameters": True})
+    # Control: other DDP options, and False, are taken.
+    assert BlockwiseStrategy(ddp_kwargs={"find_unused_parameters": False, "bucket_cap_mb": 1})._ddp_kwargs
+
+
 @pytest.mark.parametrize(
     ("budget", "match"),
     [

@@ -192,6 +192,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             share_host_copy=share_host_copy,
             device=device,
             parallel_devices=parallel_devices,
+            ddp_kwargs=ddp_kwargs,
         )
         super().__init__(
             accelerator=accelerator,

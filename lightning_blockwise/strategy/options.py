@@ -128,6 +128,7 @@ def check_options(
     share_host_copy: Any,
     device: _DEVICE | None,
     parallel_devices: Any,
+    ddp_kwargs: Any = None,
 ) -> None:
     """Refuse ``BlockwiseStrategy``'s options that are of the wrong type or range, or that do not go together.
 
@@ -151,6 +152,16 @@ def check_options(
             " saves its micro-batches' layer inputs on the device; leave `offload_activations` unset (or False)."
         )
     check_input_checkpoints(input_checkpoint_every, block_major_accumulation)
+    if (ddp_kwargs or {}).get("find_unused_parameters"):
+        # Measured on 2 gloo ranks: DDP's search for unused parameters walks the forward's graph from the outputs,
+        # which does not reach the adapters of recomputed layers (their graphs are built in the backward), so it
+        # marks them unused and then again ready when their gradients arrive: "marked ready only once" fails.
+        raise MisconfigurationException(
+            "`BlockwiseStrategy(ddp_kwargs={'find_unused_parameters': True})`: DDP cannot see which adapters the"
+            " step uses (each layer's graph is rebuilt in the backward), so every recomputed adapter would be"
+            " reported ready twice and the backward fails. Leave it False: every adapter of the decoder gets a"
+            " gradient in each step; give parameters no step uses `requires_grad=False`."
+        )
     check_device(device)
     if device is not None and parallel_devices is not None:
         raise MisconfigurationException(
