@@ -20,6 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy.step_budget import StepPlan
+from tests.helpers.callbacks import ForwardCounts
 from tests.helpers.models import (
     SEQ,
     CausalLMModule,
@@ -60,27 +61,11 @@ def mixed_budget(checkpoint: Path) -> tuple[int, StepPlan]:
     raise AssertionError("no budget splits the blocks into kept, resident and streamed")
 
 
-class _ForwardCounts(Callback):
-    """Counts each layer's attention forwards during training (a recomputed layer runs it twice per micro-batch)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * NUM_LAYERS
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for index, layer in enumerate(pl_module.model.get_decoder().layers):
-            # Counted in the module's forward: a hook fires once per step (replay/hooks.py), a forward per run.
-            attn, forward = layer.self_attn, layer.self_attn.forward
-            attn.forward = lambda *a, index=index, forward=forward, **k: (self._count(index), forward(*a, **k))[1]
-
-    def _count(self, index: int) -> None:
-        self.counts[index] += 1
-
-
 def test_kept_blocks_are_exact_and_run_once(checkpoint: Path, mixed_budget: tuple[int, StepPlan]) -> None:
     budget, plan = mixed_budget
     assert plan.residency.kept == (0, 1) and plan.residency.resident == (0, 1, 2, 3)
     resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", max_steps=2)
-    counts = _ForwardCounts()
+    counts = ForwardCounts()
     strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
     blockwise = fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[counts], max_steps=2)
     assert strategy.step_plan is not None and strategy.step_plan.residency.kept == (0, 1)
@@ -92,7 +77,7 @@ def test_kept_blocks_are_exact_and_run_once(checkpoint: Path, mixed_budget: tupl
 
 def test_keep_activations_off_recomputes_every_layer(checkpoint: Path, mixed_budget: tuple[int, StepPlan]) -> None:
     budget, _ = mixed_budget
-    counts = _ForwardCounts()
+    counts = ForwardCounts()
     strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS, keep_activations=False)
     run = fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[counts], max_steps=1)
     assert strategy.step_plan is not None and strategy.step_plan.residency.kept == ()
@@ -227,12 +212,12 @@ def test_kept_layers_are_not_recomputed_by_hugging_face_checkpointing_either(
         return model
 
     budget, _ = mixed_budget
-    resident_counts = _ForwardCounts()
+    resident_counts = ForwardCounts()
     resident = fit(CausalLMModule(build), "auto", callbacks=[resident_counts], max_steps=2)
     micro_batches = len(resident.losses)
     # Under Hugging Face's checkpointing every layer runs twice per micro-batch (the arm that shows the count moves).
     assert resident_counts.counts == [2 * micro_batches] * NUM_LAYERS
-    counts = _ForwardCounts()
+    counts = ForwardCounts()
     module = CausalLMModule(build)
     blockwise = fit(
         module, BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), callbacks=[counts], max_steps=2

@@ -36,3 +36,24 @@ class KillAt(Callback):
     ) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ForwardCounts(Callback):
+    """Counts each decoder layer's attention forwards during training (``counts[i]`` for layer ``i``).
+
+    Counted in the module's forward, not by a hook: a forward hook fires once per step (replay/hooks.py), a forward
+    once per run, so a recomputed layer counts two per micro-batch and a replayed one three.
+    """
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        layers = pl_module.model.get_decoder().layers
+        self.counts = [0] * len(layers)
+        for index, layer in enumerate(layers):
+            attn, forward = layer.self_attn, layer.self_attn.forward
+            attn.forward = lambda *a, index=index, forward=forward, **k: (self._count(index), forward(*a, **k))[1]
+
+    def _count(self, index: int) -> None:
+        self.counts[index] += 1

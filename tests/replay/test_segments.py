@@ -23,6 +23,7 @@ from lightning_blockwise.replay.segments import Segment
 from lightning_blockwise.residency import streamer as streamer_module
 from lightning_blockwise.residency.base import AlwaysResident, Pass
 from lightning_blockwise.residency.streamer import BlockStreamer, step_order
+from tests.helpers.callbacks import ForwardCounts
 from tests.helpers.models import CausalLMModule, assert_equal_runs, build_model, fit, padded_batches, runs_differ
 
 NUM_LAYERS = 8
@@ -41,21 +42,6 @@ def _nf4(checkpoint: Path) -> Any:
 @pytest.fixture(scope="module")
 def resident(checkpoint: Path) -> Any:
     return fit(CausalLMModule(_nf4(checkpoint)), "auto", max_steps=2)
-
-
-class _ForwardCounts(Callback):
-    """Each layer's attention forwards in training (a hook would fire once per step: replay/hooks.py)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * NUM_LAYERS
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for index, layer in enumerate(pl_module.model.get_decoder().layers):
-            attn, forward = layer.self_attn, layer.self_attn.forward
-            attn.forward = lambda *a, index=index, forward=forward, **k: (self._count(index), forward(*a, **k))[1]
-
-    def _count(self, index: int) -> None:
-        self.counts[index] += 1
 
 
 def _runs_per_micro_batch(every: int) -> list[int]:
@@ -78,7 +64,7 @@ def test_input_checkpoints_equal_resident_and_keeping_every_input(
     checkpoint: Path, resident: Any, options: dict[str, Any]
 ) -> None:
     every = options["input_checkpoint_every"]
-    counts = _ForwardCounts()
+    counts = ForwardCounts()
     checkpointed = fit(CausalLMModule(_nf4(checkpoint)), BlockwiseStrategy(**options), callbacks=[counts], max_steps=2)
     assert_equal_runs(resident, checkpointed)
     without = {key: value for key, value in options.items() if key != "input_checkpoint_every"}

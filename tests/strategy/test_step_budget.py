@@ -29,6 +29,7 @@ from lightning_blockwise.strategy import step_budget, step_planner
 from lightning_blockwise.strategy.step_budget import StepBudget, host_room
 from lightning_blockwise.strategy.step_planner import StepPlanner
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
+from tests.helpers.callbacks import ForwardCounts
 from tests.helpers.models import (
     CONFIGS,
     SEQ,
@@ -337,21 +338,6 @@ def no_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: 0)
 
 
-class _ForwardCounts(Callback):
-    """Each layer's attention forwards in training: 2 per micro-batch recomputed, 3 replayed (a segment's top: 2)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * LAYERS
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for index, layer in enumerate(pl_module.model.get_decoder().layers):
-            attn, forward = layer.self_attn, layer.self_attn.forward
-            attn.forward = lambda *a, index=index, forward=forward, **k: (self._count(index), forward(*a, **k))[1]
-
-    def _count(self, index: int) -> None:
-        self.counts[index] += 1
-
-
 def _every2(micro_batches: int) -> list[int]:
     return [micro_batches * (2 if layer % 2 else 3) for layer in range(LAYERS)]
 
@@ -360,7 +346,7 @@ def _every2(micro_batches: int) -> list[int]:
 def test_a_budget_the_inputs_do_not_fit_trains_one_in_two_exactly(checkpoint: Path, probe: StepBudget, resident: Any):
     """A budget for 6 of the 8 inputs and no host memory: the strategy keeps one in 2 by itself, == resident."""
     strategy = BlockwiseStrategy(vram_budget=_holding(probe, 6, RUN_TOKENS), budget_tokens=RUN_TOKENS)
-    counts = _ForwardCounts()
+    counts = ForwardCounts()
     run = fit(CausalLMModule(_nf4(checkpoint)), strategy, callbacks=[counts], max_steps=2)
     plan = strategy.step_plan
     assert plan is not None and plan.inputs is not None and plan.inputs.levels == InputLevels(4, 0, 2)
@@ -417,7 +403,7 @@ def test_a_longer_batch_moves_the_inputs_between_steps_exactly(
 
     monkeypatch.setattr(StreamedStack, "_new_streamer", counted)
     strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=SHORT)
-    counts = _ForwardCounts()
+    counts = ForwardCounts()
     run = fit(CausalLMModule(_nf4(checkpoint)), strategy, _growing_batches(), callbacks=[counts], max_steps=3)
     plan = strategy.step_plan
     assert plan is not None and plan.tokens == RUN_TOKENS and plan.inputs is not None
