@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.kernels.fused_lora import use_fused_lora
@@ -23,6 +22,7 @@ from tests.helpers.models import (
     fit_on_gpu,
     nf4_lora_builder,
     runs_differ,
+    save_gpu_shape,
 )
 
 pytestmark = pytest.mark.gpu
@@ -37,18 +37,7 @@ SCALING = 1.5  # alpha / r; not a power of two, so the scaled product rounds (se
 @pytest.fixture(scope="module", params=sorted(GPU_SHAPES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """A random-init bf16 checkpoint of a real architecture's shape, ``LAYERS`` decoder layers."""
-    path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    config = GPU_SHAPES[request.param]()
-    config.num_hidden_layers = LAYERS
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:LAYERS]
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return request.param, path
+    return request.param, save_gpu_shape(request.param, LAYERS, tmp_path_factory.mktemp(request.param))
 
 
 def _builder(path: Path, fused: bool) -> Callable[[], nn.Module]:

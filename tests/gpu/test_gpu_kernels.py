@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.kernels.forwards import LigerForward
@@ -35,6 +34,7 @@ from tests.helpers.models import (
     nf4_lora_builder,
     padded_batches,
     runs_differ,
+    save_gpu_shape,
 )
 
 pytestmark = pytest.mark.gpu
@@ -50,18 +50,7 @@ TIMED_STEPS = 23  # 3 of warm-up, 20 timed
 @pytest.fixture(scope="module", params=sorted(GPU_SHAPES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """A random-init bf16 checkpoint of a real architecture's shape, ``LAYERS`` decoder layers."""
-    path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    config = GPU_SHAPES[request.param]()
-    config.num_hidden_layers = LAYERS
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:LAYERS]  # Qwen2's, one per layer
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return request.param, path
+    return request.param, save_gpu_shape(request.param, LAYERS, tmp_path_factory.mktemp(request.param))
 
 
 def _builder(path: Path, liger: bool) -> Callable[[], nn.Module]:

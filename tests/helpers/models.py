@@ -104,6 +104,21 @@ def nf4_lora_builder(
     return build
 
 
+def save_gpu_shape(name: str, layers: int, path: Path) -> Path:
+    """Save a random-init bf16 checkpoint (seed 0) of ``GPU_SHAPES[name]`` cut to ``layers`` decoder layers (GPU)."""
+    torch.manual_seed(0)
+    config = GPU_SHAPES[name]()
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:layers]  # Qwen2's, one per layer
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
 def save_checkpoint(model_type: str, path: Path, seed: int = 0) -> Path:
     """Save a random-init checkpoint of ``model_type`` to ``path``."""
     torch.manual_seed(seed)
