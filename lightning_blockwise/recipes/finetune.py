@@ -23,8 +23,8 @@ from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
 from lightning_blockwise.recipes.kernel_choice import (
-    check_device,
     check_fused_lora_adapter,
+    check_kernels_device,
     install_kernels,
     kernel_choice,
     resolve_auto,
@@ -120,9 +120,9 @@ class CausalLMFineTune(pl.LightningModule):
         MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, or ``loss_chunk_tokens`` or
             ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1, or ``kernels`` names an unknown
             kernel, ``"liger"`` with ``mlp_tile_tokens`` or without Liger-Kernel installed, ``"fused_lora"`` with
-            DoRA, or (when the model is
-            built, before the base loads) ``adapter_path`` holds no ``adapter_config.json`` or ``kernels="liger"``
-            is asked for on a device other than CUDA.
+            DoRA, or (when the model is built, before the base loads) ``adapter_path`` holds no
+            ``adapter_config.json``, ``"fused_lora"`` is asked for a DoRA adapter directory, or ``"liger"`` for a
+            device other than CUDA.
 
     Example::
 
@@ -197,7 +197,7 @@ class CausalLMFineTune(pl.LightningModule):
         strategy = self.trainer.strategy if self._trainer is not None else None
         # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
         device_type = None if strategy is None else strategy.root_device.type
-        check_device(self._kernels, device_type)
+        check_kernels_device(self._kernels, device_type)
         base = load_base(hp.checkpoint, hp.loader, hp.compute_dtype, hp.quantize, hp.random_init, strategy)
         self.model = add_adapters(
             base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora

@@ -76,7 +76,7 @@ def check_fused_lora_adapter(choice: frozenset[str] | None, adapter_path: str) -
         )
 
 
-def check_device(choice: frozenset[str] | None, device_type: str | None) -> None:
+def check_kernels_device(choice: frozenset[str] | None, device_type: str | None) -> None:
     """Refuse Liger's kernels, asked for by name, on a device other than CUDA, before the base loads.
 
     Raises:
@@ -136,8 +136,8 @@ def install_kernels(model: nn.Module, choice: frozenset[str]) -> None:
 __all__ = [
     "AUTO",
     "KERNELS",
-    "check_device",
     "check_fused_lora_adapter",
+    "check_kernels_device",
     "install_kernels",
     "kernel_choice",
     "resolve_auto",
