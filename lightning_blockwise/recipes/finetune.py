@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import PeftModel
 from torch import Tensor
@@ -35,6 +35,8 @@ from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
 _LOADERS = ("auto", "standard", "blockwise")
+#: The checkpoint key of the kernels the model computed with (:meth:`CausalLMFineTune.on_load_checkpoint`).
+_KERNELS_KEY = "lightning_blockwise_kernels"
 
 
 class CausalLMFineTune(pl.LightningModule):
@@ -178,6 +180,8 @@ class CausalLMFineTune(pl.LightningModule):
         # Checkpoints hold only the adapters (`BlockwiseStrategy`'s lean checkpoints, or `on_save_checkpoint` under
         # other strategies); the frozen base comes from `checkpoint`.
         self.strict_loading = False
+        # The kernels installed when the model was built (recorded in checkpoints); None until then.
+        self._installed_kernels: list[str] | None = None
         # Whether this fit exported its adapter (NOTE [ A resume with nothing to train ]).
         self._exported = False
 
@@ -208,6 +212,7 @@ class CausalLMFineTune(pl.LightningModule):
         if kernels is None:  # "auto": decided once, here, so every strategy trains the same function
             kernels = resolve_auto(self.model, device_type, self.mlp_tile_tokens)
         install_kernels(self.model, kernels)
+        self._installed_kernels = sorted(kernels)
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)
@@ -258,12 +263,37 @@ class CausalLMFineTune(pl.LightningModule):
         """Keep only the trainable parameters: the frozen base is the checkpoint directory's, gigabytes not to copy.
 
         Under :class:`BlockwiseStrategy` the strategy already decides (NOTE [ Lean checkpoints ] in
-        checkpointing.py, ``save_frozen_base``); elsewhere the module does the same.
+        checkpointing.py, ``save_frozen_base``); elsewhere the module does the same. The kernels the model computes
+        with are recorded, so that a resume is checked against them (:meth:`on_load_checkpoint`).
         """
+        if self._installed_kernels is not None:
+            checkpoint[_KERNELS_KEY] = self._installed_kernels
         if isinstance(self.trainer.strategy, BlockwiseStrategy):
             return
         trainable = {name for name, param in self.named_parameters() if param.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a resume whose ``kernels="auto"`` chose other kernels than the checkpoint's run computed with.
+
+        ``"auto"`` depends on the machine (Liger-Kernel installed, CUDA): resuming elsewhere would train another
+        function from the restored state, not the run's. An explicit ``kernels`` is the user's choice and only warned
+        about.
+
+        Raises:
+            MisconfigurationException: Naming both choices and the ``kernels`` to pass.
+        """
+        saved = checkpoint.get(_KERNELS_KEY)
+        if saved is None or self._installed_kernels is None or saved == self._installed_kernels:
+            return
+        what = f"this run was trained with kernels {saved} and this model computes with {self._installed_kernels}"
+        if self._kernels is None:
+            raise MisconfigurationException(
+                f"CausalLMFineTune(kernels='auto'): {what}, so the resumed run would not continue the same function."
+                f" Pass `kernels={saved}` (YAML: `kernels: {saved}`; with 'liger': on CUDA, with"
+                ' `pip install "lightning-blockwise[kernels]"`) to resume it exactly.'
+            )
+        rank_zero_warn(f"CausalLMFineTune(kernels={self.hparams.kernels!r}): {what}, as asked.")
 
     def on_fit_start(self) -> None:
         """Note that this fit has not exported its adapter yet."""

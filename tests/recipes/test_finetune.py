@@ -444,3 +444,35 @@ def test_an_adapter_path_without_an_adapter_is_refused_before_the_base_loads(
     ):
         module.configure_model()
     assert loaded.call_count == 0
+
+
+def test_a_resume_where_auto_chooses_other_kernels_is_refused(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kernels="auto"` depends on the machine: a resume whose choice differs from the checkpoint's is refused.
+
+    Control: on the same machine the same resume goes on, and an explicit other choice is taken with a warning.
+    """
+    first = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
+    _fit_finetune(first, BlockwiseStrategy(), tmp_path / "first", steps=2)
+    first.trainer.save_checkpoint(tmp_path / "last.ckpt")
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["lightning_blockwise_kernels"] == ["fused_lora"]
+
+    def resume(out: str, kernels: Any = "auto") -> pl.Trainer:
+        module = CausalLMFineTune(
+            str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1, kernels=kernels,
+            adapter_dir=str(tmp_path / out),
+        )  # fmt: skip
+        fitter = trainer(BlockwiseStrategy(), max_steps=3, accumulate_grad_batches=1, default_root_dir=tmp_path / out)
+        fitter.fit(module, datamodule=_tokens(), ckpt_path=tmp_path / "last.ckpt")
+        return fitter
+
+    assert resume("same").global_step == 3
+    with pytest.warns(UserWarning, match=r"trained with kernels \['fused_lora'\] .* computes with \[\], as asked"):
+        assert resume("explicit", kernels=None).global_step == 3
+    # Another machine, where "auto" takes nothing (stood in): refused, naming what to pass.
+    monkeypatch.setattr("lightning_blockwise.recipes.finetune.resolve_auto", lambda *args: frozenset())
+    with pytest.raises(
+        MisconfigurationException, match=r"kernels='auto'\): this run was trained with.*kernels=\['fused_lora'\]"
+    ):
+        resume("other")
