@@ -7,6 +7,11 @@ tensor shapes of that size (tokens x intermediate, chunk x vocab, ...); memory a
 the step (the head, adapters, optimizer state) is one line.
 
     python -m benchmarks.memory_peak --shape 7b --seq 16384 --arm blockwise+offload+chunked
+    python -m benchmarks.memory_peak --shape 7b --seq 65536 --arm blockwise+offload+chunked+tiled+liger+fused
+
+Arm parts as `benchmarks.long_context`'s: `offload`, `chunked`, `tiled`, `+liger` (Liger's RMSNorm and RoPE, and its
+SwiGLU when the MLPs are untiled) and `+fused` (`use_fused_lora`). The largest blocks alive at the peak are listed
+too (``--largest``), with the label of their size.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from torch.utils.data import DataLoader
 from benchmarks.long_context import CHUNK, TILE, LongModule, _random_model
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.kernels.fused_lora import use_fused_lora
+from lightning_blockwise.kernels.liger import use_liger_kernels
 
 
 class Recorder(pl.Callback):
@@ -62,8 +69,10 @@ def _place(size: int, shapes: dict[int, str]) -> str:
     return "other sizes"
 
 
-def peak_breakdown(snapshot: dict[str, Any], before: int, shapes: dict[int, str]) -> tuple[int, Counter[str]]:
-    """The peak bytes of the recorded span and the live bytes at it by place."""
+def peak_breakdown(
+    snapshot: dict[str, Any], before: int, shapes: dict[int, str]
+) -> tuple[int, Counter[str], list[int]]:
+    """The peak bytes of the recorded span, the live bytes at it by place and the live blocks' sizes, largest first."""
     live: dict[int, tuple[int, str]] = {}
     total = peak = before
     at_peak: dict[int, tuple[int, str]] = {}
@@ -79,7 +88,7 @@ def peak_breakdown(snapshot: dict[str, Any], before: int, shapes: dict[int, str]
     places: Counter[str] = Counter({"allocated before the step": before})
     for size, place in at_peak.values():
         places[place] += size
-    return peak, places
+    return peak, places, sorted((size for size, _ in at_peak.values()), reverse=True)
 
 
 def main() -> None:
@@ -89,6 +98,7 @@ def main() -> None:
     parser.add_argument("--arm", default="blockwise+offload+chunked")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--step", type=int, default=1, help="the step recorded (after `step` others)")
+    parser.add_argument("--largest", type=int, default=15, help="list this many of the largest live blocks")
     args = parser.parse_args()
     parts = args.arm.split("+")
     torch.manual_seed(0)
@@ -103,7 +113,13 @@ def main() -> None:
         precision="bf16-mixed", max_steps=args.step + 1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
     )  # fmt: skip
-    module = LongModule(model, CHUNK if "chunked" in parts else None, TILE if "tiled" in parts else None)
+    tile = TILE if "tiled" in parts else None
+    module = LongModule(model, CHUNK if "chunked" in parts else None, tile)
+    if "liger" in parts:
+        # After the module tiles the MLPs: a tiled MLP keeps its forward (Liger refuses to replace it).
+        use_liger_kernels(model, swiglu=tile is None)
+    if "fused" in parts:
+        use_fused_lora(model)
     trainer.fit(module, DataLoader([{"input_ids": t, "labels": t} for t in tokens], batch_size=None))
     assert recorder.snapshot is not None
     n, h, i, v = args.seq, config.hidden_size, config.intermediate_size, config.vocab_size
@@ -114,12 +130,17 @@ def main() -> None:
         h * i * 2: "hidden x intermediate, bf16 (a dequantized weight)", h * h * 2: "hidden x hidden, bf16",
         n * 16 * 4: "tokens x rank, fp32", n * 16 * 2: "tokens x rank, bf16",
     }  # fmt: skip
-    peak, places = peak_breakdown(recorder.snapshot, recorder.before, shapes)
+    kv = config.num_key_value_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
+    shapes.update({n * kv * 2: "tokens x kv (keys or values), bf16", n * kv * 4: "tokens x kv, fp32"})
+    peak, places, largest = peak_breakdown(recorder.snapshot, recorder.before, shapes)
     # A block of the same size as another shape is labelled with the first match, in the order above.
     print(json.dumps({"shape": args.shape, "seq": args.seq, "arm": args.arm, "replayed_peak_gb": peak / 1e9,
                       "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}))  # fmt: skip
     for place, size in places.most_common(args.top):
         print(f"{size / 1e9:8.3f} GB  {place}")
+    print(f"largest live blocks at the peak ({args.largest}):")
+    for size in largest[: args.largest]:
+        print(f"{size / 1e9:8.3f} GB  {_place(size, shapes)}")
 
 
 if __name__ == "__main__":
