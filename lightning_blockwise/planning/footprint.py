@@ -85,6 +85,7 @@ class ModelSizes:
         offload_inputs: bool = False,
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
+        attention_tile_tokens: int | None = None,
     ) -> StepShape:
         """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
 
@@ -93,6 +94,7 @@ class ModelSizes:
             offload_inputs: Layer inputs wait for the backward in host memory.
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
+            attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
         """
         return StepShape.for_config(
             self.config,
@@ -102,6 +104,7 @@ class ModelSizes:
             offload_inputs=offload_inputs,
             loss_chunk_tokens=loss_chunk_tokens,
             mlp_tile_tokens=mlp_tile_tokens,
+            attention_tile_tokens=attention_tile_tokens,
         )
 
     def step_budget(
@@ -115,6 +118,7 @@ class ModelSizes:
         device_limit: int | None = None,
         keep_activations: bool = True,
         window: int = 1,
+        attention_tile_tokens: int | None = None,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
 
@@ -132,6 +136,7 @@ class ModelSizes:
             keep_activations: The strategy's ``keep_activations`` (NOTE [ Kept activations ] in memory.py).
             window: ``accumulate_grad_batches`` with block-major accumulation (its workers' cuBLAS workspaces and
                 micro-batches' saved inputs count), else 1.
+            attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
 
         Raises:
             ValueError: If ``block_size`` is out of range.
@@ -154,6 +159,7 @@ class ModelSizes:
             block_layers=blocks.layers_per_block,
             keep_activations=keep_activations,
             window=window,
+            attention_tile_tokens=attention_tile_tokens,
         )
 
     def residency(
@@ -166,6 +172,7 @@ class ModelSizes:
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
         keep_activations: bool = True,
+        attention_tile_tokens: int | None = None,
     ) -> ResidencyPlan:
         """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
 
@@ -178,13 +185,14 @@ class ModelSizes:
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
             keep_activations: The strategy's ``keep_activations``.
+            attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
 
         Raises:
             ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
         """
         budgeted = self.step_budget(
             block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
-            keep_activations=keep_activations,
+            keep_activations=keep_activations, attention_tile_tokens=attention_tile_tokens,
         )  # fmt: skip
         return budgeted.plan(tokens).residency
 

@@ -51,6 +51,8 @@ class Recommendation:
             (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
         mlp_tile_tokens: Tokens per tile the module's MLPs should run in
             (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
+        attention_tile_tokens: Queries per tile of the module's attention, as given
+            (:func:`~lightning_blockwise.longcontext.attention.tile_attention`; never chosen here); ``None``: untiled.
         offload_host_bytes: Host bytes the offloaded layer inputs take (0 with offload off).
     """
 
@@ -63,6 +65,7 @@ class Recommendation:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
     offload_host_bytes: int = 0
+    attention_tile_tokens: int | None = None
 
 
 #: The smallest card a plan is made for: the CUDA context's reserve and one step of budget.
@@ -92,6 +95,7 @@ def recommend(
     offload: bool | None = None,
     loss_chunk_tokens: int | None = None,
     mlp_tile_tokens: int | None = None,
+    attention_tile_tokens: int | None = None,
 ) -> Recommendation:
     """The ``vram_budget``, ``block_size``, offload, loss and MLP tiling for a card of ``gpu_memory`` bytes.
 
@@ -116,6 +120,7 @@ def recommend(
         loss_chunk_tokens: The chunk of the module's chunked loss; ``None``: Hugging Face's loss, or the
             chunked loss where nothing else fits.
         mlp_tile_tokens: The tile of the module's tiled MLPs; ``None``: untiled, or tiled where nothing else fits.
+        attention_tile_tokens: The tile of the module's tiled attention, planned for as given; ``None``: untiled.
 
     Raises:
         ValueError: If the card leaves no budget once the CUDA context is on it (:func:`check_card`).
@@ -139,7 +144,9 @@ def recommend(
     if mlp_tile_tokens is None:
         options.append((offloads[-1], chunks[-1], RECOMMENDED_MLP_TILE_TOKENS))
     for offload_inputs, chunk, tile in options:
-        advice = _recommend_blocks(sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile)
+        advice = _recommend_blocks(
+            sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile, attention_tile_tokens
+        )
         if advice.plan is not None:
             return advice
     return advice
@@ -154,20 +161,23 @@ def _recommend_blocks(
     offload_inputs: bool,
     loss_chunk_tokens: int | None,
     mlp_tile_tokens: int | None,
+    attention_tile_tokens: int | None = None,
 ) -> Recommendation:
     """:func:`recommend`'s choice of ``block_size`` for one setting of offload, loss and MLP tiling."""
 
     def residency(block_size: int, budget: int | None = None) -> ResidencyPlan:
         return sizes.residency(
-            tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens
-        )
+            tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
+            attention_tile_tokens=attention_tile_tokens,
+        )  # fmt: skip
 
-    shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens)
+    shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens, attention_tile_tokens)
     options = {
         "offload_activations": offload_inputs,
         "loss_chunk_tokens": loss_chunk_tokens,
         "mlp_tile_tokens": mlp_tile_tokens,
         "offload_host_bytes": shape.offloaded_host_bytes(),
+        "attention_tile_tokens": attention_tile_tokens,
     }
     minimum = residency(1).minimum
     streamed: dict[int, tuple[int, ResidencyPlan]] = {}

@@ -31,12 +31,18 @@ _ALLOCATOR_ROUNDING = 1.02
 #: Hidden-state-sized bf16 equivalents at the post-attention norm's backward, beyond the inputs and the hidden
 #: states alive throughout (NOTE [ A layer's backward peak ]).
 _NORM_PEAK_HIDDEN = 15
+#: SDPA's backward block, in hidden-state-sized bf16 tensors over the queries it runs at once: one allocation of 4.02
+#: measured (NOTE [ A layer's backward peak ]).
+_ATTENTION_BLOCK_HIDDEN = 4
+#: Hidden-state-sized bf16 equivalents alive beside that block, beyond the inputs and the hidden states alive
+#: throughout (NOTE [ A layer's backward peak ]; an estimate, not a fit).
+_ATTENTION_PEAK_HIDDEN = 7
 
 
 # NOTE [ A layer's backward peak ]
-# A rematerialized layer's backward has two peaks. In the MLP's backward, its intermediates
-# (tokens x intermediate each) dominate, so untiled that is where a long step peaks. With the MLP
-# tiled they shrink to one tile's, and the peak moves to the post-attention RMSNorm's backward,
+# A rematerialized layer's backward has two peaks that bind (a third is below). In the MLP's
+# backward, its intermediates (tokens x intermediate each) dominate, so untiled that is where a long
+# step peaks. With the MLP tiled they shrink to one tile's, and the peak moves to the post-attention RMSNorm's backward,
 # which scales with tokens x hidden alone. Measured there (H100, Qwen2.5-7B shape, offload, chunked
 # loss, tiled MLP, 32k and 131k tokens; the allocator's history replayed to the step's peak): seven
 # fp32 and seven bf16 hidden-sized tensors, and attention's keys and values. fp32: both norms' saved
@@ -50,6 +56,19 @@ _NORM_PEAK_HIDDEN = 15
 # forward uses. The plan of 131k tokens that missed this was 13% under (19.68 GB against 22.26).
 # Two norms per layer is Llama-style; an architecture with more (Gemma 2/3 have four) keeps more
 # fp32 copies alive and has not been measured here.
+#
+# A third peak comes later, in attention's backward: SDPA's backward (flash or efficient kernel, C++
+# autograd) allocates one block of 4.02 hidden-sized bf16 tensors (H100, Qwen2.5-7B shape, 65k
+# tokens, Liger's RMSNorm and RoPE: ten hidden-sized tensors and that block at the step's peak),
+# counted here over the queries SDPA runs at once (not yet measured with tiles). Beside it the model
+# counts seven hidden-sized bf16 equivalents and the keys and values beyond the inputs and the hidden
+# states kept throughout (attention's saved normed input, queries and output, the output's gradient,
+# the residual's gradient, the input norm's fp32 upcast), an estimate; with tiled attention (NOTE [
+# Tiled attention ] in longcontext/attention.py) the block is one tile's, and the finished tiles'
+# query gradients waiting for the last one add one hidden-sized tensor. With Hugging Face's RMSNorm,
+# which this model assumes, that peak (at most 12) stays under the norm's (15): it binds only where
+# the norms keep fewer fp32 copies (Liger's RMSNorm, not modelled), so tiled attention leaves every
+# prediction of this model unchanged.
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,8 @@ class StepShape:
             as Hugging Face's loss does.
         mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
             (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
+        attention_tile_tokens: Queries per tile of the decoder layers' attention
+            (:func:`~lightning_blockwise.longcontext.attention.tile_attention`); ``None``: untiled.
         adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
             holds); assumed when unknown.
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with
@@ -96,6 +117,7 @@ class StepShape:
     kv_size: int | None = None
     fused_mlp: bool = False
     checkpoint_every: int | None = None
+    attention_tile_tokens: int | None = None
 
     @classmethod
     def for_config(
@@ -112,6 +134,7 @@ class StepShape:
         offloaded_layers: int | None = None,
         fused_mlp: bool = False,
         checkpoint_every: int | None = None,
+        attention_tile_tokens: int | None = None,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -129,6 +152,7 @@ class StepShape:
             fused_mlp: The MLPs compute their gated activation with a fused kernel that recomputes it in the
                 backward (Liger's SwiGLU/GeGLU, ``kernels/liger.py``): a kept graph holds one MLP-sized tensor less.
             checkpoint_every: One layer input kept in this many (``None``: every one).
+            attention_tile_tokens: Queries per attention tile (``None``: untiled).
         """
         config = getattr(config, "text_config", None) or config
         heads = getattr(config, "num_attention_heads", None)
@@ -150,6 +174,7 @@ class StepShape:
             kv_size=kv_heads * head_size if kv_heads and head_size else None,
             fused_mlp=fused_mlp,
             checkpoint_every=checkpoint_every,
+            attention_tile_tokens=attention_tile_tokens,
         )
 
     def activation_peak(self) -> int:
@@ -178,12 +203,12 @@ class StepShape:
     def layer_working_set(self) -> int:
         """Predicted bytes one layer's recompute and backward add at their peak, beyond the inputs and hidden states.
 
-        The larger of its two peaks (NOTE [ A layer's backward peak ]): the MLP's backward
-        (:meth:`mlp_working_set`, with the dequantized weight of its largest projection) and the
-        post-attention norm's backward (:meth:`norm_working_set`).
+        The largest of its peaks (NOTE [ A layer's backward peak ]): the MLP's backward
+        (:meth:`mlp_working_set`, with the dequantized weight of its largest projection), the
+        post-attention norm's backward (:meth:`norm_working_set`) and attention's (:meth:`attention_working_set`).
         """
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
-        return max(self.mlp_working_set() + dequantized, self.norm_working_set())
+        return max(self.mlp_working_set() + dequantized, self.norm_working_set(), self.attention_working_set())
 
     def mlp_working_set(self) -> int:
         """Bytes at the MLP's backward in a layer's recompute (without the dequantized weight).
@@ -213,6 +238,19 @@ class StepShape:
         kv_size = self.hidden_size if self.kv_size is None else self.kv_size
         hidden = _NORM_PEAK_HIDDEN * self.tokens * self.hidden_size
         return (hidden + 2 * self.tokens * kv_size) * self.activation_bytes
+
+    def attention_working_set(self) -> int:
+        """Bytes at attention's backward in a layer's recompute (NOTE [ A layer's backward peak ]).
+
+        SDPA's backward block, four hidden-state-sized bf16 tensors over the queries run at once (the whole sequence,
+        or one tile with tiled attention), seven more over the sequence (eight with tiles) and the keys and values,
+        beyond the hidden states :meth:`activation_peak` counts throughout.
+        """
+        kv_size = self.hidden_size if self.kv_size is None else self.kv_size
+        tiled = self.attention_tile_tokens is not None and self.attention_tile_tokens < self.tokens
+        queries = self.attention_tile_tokens if tiled else self.tokens  # within one tile it runs untiled (TiledSDPA)
+        hidden = (_ATTENTION_PEAK_HIDDEN + tiled) * self.tokens + _ATTENTION_BLOCK_HIDDEN * queries
+        return (hidden * self.hidden_size + 2 * self.tokens * kv_size) * self.activation_bytes
 
     def input_bytes(self) -> int:
         """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""

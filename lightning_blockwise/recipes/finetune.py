@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_blockwise.adapters.dora_norm import factor_dora_norms
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
+from lightning_blockwise.longcontext.attention import tile_attention
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
@@ -101,6 +102,11 @@ class CausalLMFineTune(pl.LightningModule):
             (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`; long context, slower per step); ``None``:
             untiled. Like the chunked loss, it applies under every strategy (NOTE [ Tiled MLP ] in
             longcontext/tiling.py).
+        attention_tile_tokens: Run every decoder layer's attention this many queries at a time
+            (:func:`~lightning_blockwise.longcontext.attention.tile_attention`; long context, one more attention
+            forward per step); ``None``: untiled. The model must use ``attn_implementation="sdpa"`` without attention
+            dropout, and the batches must have no padding and no packing (refused at the first longer batch). It
+            applies under every strategy (NOTE [ Tiled attention ] in longcontext/attention.py).
         kernels: Faster layers, one name or a list: ``"liger"``, Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU
             (GeGLU on Gemma) (:func:`~lightning_blockwise.kernels.liger.use_liger_kernels`; CUDA only; ``pip install
             "lightning-blockwise[kernels]"``; refused with ``mlp_tile_tokens``, both replace the MLPs' forward);
@@ -115,16 +121,17 @@ class CausalLMFineTune(pl.LightningModule):
             ``adapter_config.json`` then decides the rank, alpha, dropout, targets and DoRA (the LoRA arguments above
             are ignored); ``checkpoint``, ``compute_dtype`` and ``quantize`` must be those it was trained with.
 
-    Both long-context options are also the attributes ``loss_chunk_tokens`` and ``mlp_tile_tokens``,
-    which :class:`BlockwiseStrategy`'s planner reads.
+    The long-context options are also the attributes ``loss_chunk_tokens``, ``mlp_tile_tokens`` and
+    ``attention_tile_tokens``, which :class:`BlockwiseStrategy`'s planner reads.
 
     Raises:
-        MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, or ``loss_chunk_tokens`` or
-            ``mlp_tile_tokens`` is neither ``None`` nor an integer of at least 1, or ``kernels`` names an unknown
-            kernel, ``"liger"`` with ``mlp_tile_tokens`` or without Liger-Kernel installed, ``"fused_lora"`` with
-            DoRA, or (when the model is built, before the base loads) ``adapter_path`` holds no
-            ``adapter_config.json``, ``"fused_lora"`` is asked for a DoRA adapter directory, or ``"liger"`` for a
-            device other than CUDA.
+        MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, ``loss_chunk_tokens``,
+            ``mlp_tile_tokens`` or ``attention_tile_tokens`` is neither ``None`` nor an integer of at least 1, or
+            ``kernels`` names an unknown kernel, ``"liger"`` with ``mlp_tile_tokens`` or without Liger-Kernel
+            installed, ``"fused_lora"`` with DoRA, or (when the model is built, before the base loads) ``adapter_path``
+            holds no ``adapter_config.json``, ``"fused_lora"`` is asked for a DoRA adapter directory, or ``"liger"``
+            for a device other than CUDA; (once the base is loaded) ``attention_tile_tokens`` for a model whose
+            attention is not sdpa or has dropout; (in a step) a packed batch with ``attention_tile_tokens``.
 
     Example::
 
@@ -156,6 +163,7 @@ class CausalLMFineTune(pl.LightningModule):
         quantize: bool = True,
         adapter_path: str | None = None,
         kernels: str | list[str] | None = "auto",
+        attention_tile_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -170,12 +178,14 @@ class CausalLMFineTune(pl.LightningModule):
             raise MisconfigurationException(f"CausalLMFineTune(dora_norm={dora_norm!r}): choose 'dense' or 'factored'.")
         _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
         _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
+        _check_count("attention_tile_tokens", attention_tile_tokens, "16384 queries per tile")
         # With `adapter_path` the adapter's own config decides DoRA: checked when the model is built, before the base.
         self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora and adapter_path is None)
         self.save_hyperparameters()
         # Read by `BlockwiseStrategy`'s planner (the module declares what its step builds).
         self.loss_chunk_tokens = loss_chunk_tokens
         self.mlp_tile_tokens = mlp_tile_tokens
+        self.attention_tile_tokens = attention_tile_tokens
         self.model: PeftModel | None = None
         # Checkpoints hold only the adapters (`BlockwiseStrategy`'s lean checkpoints, or `on_save_checkpoint` under
         # other strategies); the frozen base comes from `checkpoint`.
@@ -216,6 +226,13 @@ class CausalLMFineTune(pl.LightningModule):
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.
             tile_mlps(self.model, self.mlp_tile_tokens)
+        if self.attention_tile_tokens is not None:
+            try:
+                tile_attention(self.model, self.attention_tile_tokens)
+            except ValueError as error:
+                raise MisconfigurationException(
+                    f"CausalLMFineTune(attention_tile_tokens={self.attention_tile_tokens}): {error}"
+                ) from None
         # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
         # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in
         # compat/bitsandbytes/cpu_kernel.py).
@@ -330,6 +347,13 @@ class CausalLMFineTune(pl.LightningModule):
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
         if is_packed(batch):
+            if self.attention_tile_tokens is not None:
+                raise MisconfigurationException(
+                    f"CausalLMFineTune(attention_tile_tokens={self.attention_tile_tokens}): packed batches need a mask"
+                    " that keeps their examples apart, and tiled attention computes plain causal attention without one"
+                    " (NOTE [ Tiled attention ] in longcontext/attention.py). Turn off the data module's `packing`, or"
+                    " set attention_tile_tokens to None."
+                )
             try:
                 check_packed_attention(self.model)
             except ValueError as error:

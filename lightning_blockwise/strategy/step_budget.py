@@ -133,6 +133,7 @@ class StepBudget:
         offload: Force layer-input offload on or off; ``None`` turns it on when the plan needs it.
         loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: all).
         mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
+        attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
         device_limit: Without a budget, the device bytes beyond which automatic offload turns on
             (``None``: never, e.g. on the CPU).
         block_layers: Decoder layers in each block.
@@ -174,6 +175,7 @@ class StepBudget:
     checkpoint_every: int | None = None
     choose_inputs: bool = False
     host_ranks: int = 1
+    attention_tile_tokens: int | None = None
 
     @classmethod
     def for_module(
@@ -196,9 +198,10 @@ class StepBudget:
     ) -> StepBudget:
         """The budget of a module set up on ``device``: what is there now, what the module declares.
 
-        Device bytes are counted once per storage. The module declares a chunked loss and tiled
-        MLPs with positive integer attributes ``loss_chunk_tokens`` and ``mlp_tile_tokens``
-        (NOTE [ Chunked loss ] in loss.py, NOTE [ Tiled MLP ] in tiling.py).
+        Device bytes are counted once per storage. The module declares a chunked loss, tiled MLPs and tiled
+        attention with positive integer attributes ``loss_chunk_tokens``, ``mlp_tile_tokens`` and
+        ``attention_tile_tokens`` (NOTE [ Chunked loss ] in loss.py, NOTE [ Tiled MLP ] in tiling.py, NOTE [ Tiled
+        attention ] in attention.py).
 
         Args:
             module: The LightningModule, its rest moved to ``device``.
@@ -246,6 +249,7 @@ class StepBudget:
             checkpoint_every=checkpoint_every,
             choose_inputs=offload is None and checkpoint_every is None,
             host_ranks=host_ranks,
+            attention_tile_tokens=_declared_count(module, "attention_tile_tokens"),
         )
 
     @property
@@ -276,6 +280,7 @@ class StepBudget:
             offloaded_layers=offloaded_layers,
             fused_mlp=self.fused_mlp,
             checkpoint_every=checkpoint_every,
+            attention_tile_tokens=self.attention_tile_tokens,
         )
 
     def plan(self, tokens: int, host_bytes: int | None = None) -> StepPlan:
