@@ -157,6 +157,13 @@ def plan_parser() -> argparse.ArgumentParser:
         " each MLP on all tokens at once).",
     )
     parser.add_argument(
+        "--attention-tile-tokens",
+        type=_positive_int,
+        default=None,
+        help="Queries per tile of the decoder layers' attention (tile_attention, a module's attention_tile_tokens;"
+        " default: none, attention on all tokens at once). Not taken by --longest and --table.",
+    )
+    parser.add_argument(
         "--block-major",
         type=_positive_int,
         default=None,

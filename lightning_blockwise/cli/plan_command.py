@@ -11,6 +11,7 @@ Example::
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 2048 --lora-r 16 --gpu-memory 24GiB --json
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 32768 --loss-chunk-tokens 1024 --mlp-tile-tokens 4096
+    lightning-blockwise plan /models/Qwen2.5-7B --seq-len 262144 --mlp-tile-tokens 4096 --attention-tile-tokens 16384
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 4096 --devices 2 --gpu-memory 80GB
     lightning-blockwise plan /models/Qwen2.5-7B --card 24GB --host-ram 128GB --longest
     lightning-blockwise plan --shape 72b --host-ram 256GiB --table
@@ -55,6 +56,11 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
     options = plan_parser().parse_args(sys.argv[2:] if args is None else args)
     config = _config(options.checkpoint, options.shape)
     if options.longest or options.table:
+        if options.attention_tile_tokens is not None:
+            raise SystemExit(
+                f"lightning-blockwise plan: {'--longest' if options.longest else '--table'} does not take"
+                " --attention-tile-tokens; plan a given length with --seq-len."
+            )
         return longest_report(config, options)
     try:
         report = plan_report(
@@ -71,6 +77,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             offload_activations=OFFLOAD_CHOICES[options.offload_activations],
             loss_chunk_tokens=options.loss_chunk_tokens,
             mlp_tile_tokens=options.mlp_tile_tokens,
+            attention_tile_tokens=options.attention_tile_tokens,
             quantize=not options.dense,
             block_major=options.block_major,
             devices=options.devices,
@@ -101,6 +108,7 @@ def plan_report(
     quantize: bool = True,
     block_major: int | None = None,
     devices: int = 1,
+    attention_tile_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -130,6 +138,8 @@ def plan_report(
         devices: Data-parallel processes on the machine, one GPU each. The VRAM figures are one rank's (its GPU
             holds DDP's gradient buckets too when there are several); host RAM is the machine's: one shared arena
             (NOTE [ One host copy per machine ]), each rank's offloaded layer inputs and host embedding table.
+        attention_tile_tokens: Queries per tile of the module's tiled attention
+            (:func:`~lightning_blockwise.longcontext.attention.tile_attention`); ``None``: untiled.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
@@ -165,6 +175,7 @@ def plan_report(
         mlp_tile_tokens,
         device_limit=card_limit,
         window=block_major or 1,
+        attention_tile_tokens=attention_tile_tokens,
     )
     if block_major is not None and block_major > 1 and offload_activations:
         raise MisconfigurationException(
@@ -199,6 +210,7 @@ def plan_report(
         "offload_activations": step.offload,
         "loss_chunk_tokens": loss_chunk_tokens,
         "mlp_tile_tokens": mlp_tile_tokens,
+        "attention_tile_tokens": attention_tile_tokens,
         "block_major": block_major,
         "offload_host_bytes": offload_host_bytes,
         "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,
@@ -206,8 +218,9 @@ def plan_report(
     if gpu_memory is not None:
         try:
             advice = recommend(
-                sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens
-            )
+                sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens,
+                attention_tile_tokens,
+            )  # fmt: skip
         except ValueError as error:
             raise MisconfigurationException(f"--gpu-memory: {error}.") from None
         report["recommendation"] = recommendation_fields(advice, sizes.host_bytes(advice.block_size), devices)

@@ -18,7 +18,11 @@ def recommendation_fields(advice: Recommendation, host_arena_bytes: int, devices
     strategy = {"vram_budget": budget_text, "block_size": advice.block_size}
     if advice.offload_activations:
         strategy["offload_activations"] = True
-    module_options = {"loss_chunk_tokens": advice.loss_chunk_tokens, "mlp_tile_tokens": advice.mlp_tile_tokens}
+    module_options = {
+        "loss_chunk_tokens": advice.loss_chunk_tokens,
+        "mlp_tile_tokens": advice.mlp_tile_tokens,
+        "attention_tile_tokens": advice.attention_tile_tokens,
+    }
     model = {name: value for name, value in module_options.items() if value is not None}
     return {
         "gpu_memory": advice.gpu_memory,
@@ -31,6 +35,7 @@ def recommendation_fields(advice: Recommendation, host_arena_bytes: int, devices
         "offload_activations": advice.offload_activations,
         "loss_chunk_tokens": advice.loss_chunk_tokens,
         "mlp_tile_tokens": advice.mlp_tile_tokens,
+        "attention_tile_tokens": advice.attention_tile_tokens,
         "offload_host_bytes": advice.offload_host_bytes * devices,
         "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes * devices,
         # `trainer.strategy.init_args` and `model.init_args` of a config (configs/*.yaml).
@@ -72,6 +77,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("layer inputs", _inputs_text(report)),
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
         ("MLP", _mlp_text(report["mlp_tile_tokens"], report["tokens"])),
+        ("attention", _attention_text(report.get("attention_tile_tokens"), report["tokens"])),
         ("host RAM, pinned arena", format_gb(report["host_arena_bytes"])),
         ("host RAM, offloaded layer inputs", format_gb(report["offload_host_bytes"]) + " pinned"),
         ("host RAM, pinned in all", format_gb(report["host_pinned_bytes"])),
@@ -157,6 +163,12 @@ def _mlp_text(mlp_tile_tokens: int | None, tokens: int) -> str:
     if mlp_tile_tokens is None:
         return f"untiled: each layer's MLP on all {tokens} tokens at once"
     return f"tiled: each layer's MLP on {mlp_tile_tokens} tokens at a time"
+
+
+def _attention_text(attention_tile_tokens: int | None, tokens: int) -> str:
+    if attention_tile_tokens is None or attention_tile_tokens >= tokens:
+        return f"untiled: each layer's attention on all {tokens} queries at once"
+    return f"tiled: each layer's attention on {attention_tile_tokens} queries at a time"
 
 
 def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list[tuple[str, str]]:

@@ -164,3 +164,22 @@ def test_control_the_model_without_the_norm_peak_was_under_at_131k_tokens(sizes:
     tiled = seven.shape(16384, True, 1024, 4096)
     old_tiled = predicted(seven, POINTS[5]) - tiled.activation_peak() + _old_activation_peak(tiled)
     assert POINTS[5].tile == 4096 and not within(old_tiled, POINTS[5].measured) and old_tiled > POINTS[5].measured
+
+
+@pytest.mark.parametrize("tile", [1024, 16384])
+def test_tiled_attention_changes_no_prediction_of_the_measured_points(sizes: dict[str, ModelSizes], tile: int) -> None:
+    """With Hugging Face's RMSNorm the norm's backward stays above attention's (NOTE [ A layer's backward peak ])."""
+    for point in POINTS:
+        model = sizes[point.shape]
+        options = dict(offload_inputs=point.offload, loss_chunk_tokens=point.chunk, mlp_tile_tokens=point.tile)
+        untiled = model.residency(point.tokens, point.block_size, budget=point.budget, **options)
+        tiled = model.residency(
+            point.tokens, point.block_size, budget=point.budget, attention_tile_tokens=tile, **options
+        )
+        assert tiled == untiled, point.name
+        # Control: the tile reached the memory model, whose attention peak did shrink.
+        shape = model.shape(point.tokens, **options)
+        tiled_shape = model.shape(point.tokens, **options, attention_tile_tokens=tile)
+        assert tiled_shape.attention_tile_tokens == tile
+        if tile < point.tokens:
+            assert tiled_shape.attention_working_set() < shape.attention_working_set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_blockwise.planning import BlockPlan, StepShape, parse_bytes, plan_residency
+from lightning_blockwise.planning import BlockPlan, StepShape, parse_bytes, plan_residency, step_shape
 from lightning_blockwise.planning.memory import ALLOCATOR_SLACK, with_headroom
 
 SLACK = ALLOCATOR_SLACK
@@ -131,3 +131,27 @@ def test_a_layer_peaks_at_the_larger_of_the_mlp_and_the_norm_backward() -> None:
     # Untiled, the MLP's six intermediates bind; tiled by 64 tokens, the norm does.
     assert shape(None).layer_working_set() == shape(None).mlp_working_set() + dequantized
     assert shape(64).mlp_working_set() + dequantized < shape(64).norm_working_set() == shape(64).layer_working_set()
+
+
+def test_attention_backward_counts_its_block_over_the_whole_sequence_or_one_tile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ A layer's backward peak ]: SDPA's block of 4 hidden-sized tensors, over the queries it runs at once."""
+
+    def shape(tile: int | None) -> StepShape:
+        # The MLP tiled too, so that a layer peaks at the norm's backward or attention's, not the MLP's.
+        return StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=5,
+                         kv_size=4, mlp_tile_tokens=64, attention_tile_tokens=tile)  # fmt: skip
+
+    assert shape(None).attention_working_set() == ((7 + 4) * 512 * 8 + 2 * 512 * 4) * 2
+    # Tiled by 64 queries: the block is one tile's; the tiles' query gradients waiting for the last add one.
+    assert shape(64).attention_working_set() == ((7 + 1) * 512 * 8 + 4 * 64 * 8 + 2 * 512 * 4) * 2
+    assert shape(512).attention_working_set() == shape(None).attention_working_set()  # within one tile: untiled
+    # With Hugging Face's RMSNorm the norm's backward stays the larger: tiling attention changes no prediction.
+    for tile in (None, 64):
+        assert shape(tile).attention_working_set() < shape(tile).norm_working_set()
+        assert shape(tile).layer_working_set() == shape(None).layer_working_set() == shape(None).norm_working_set()
+    # Control: the attention peak is in the max: a block that outgrew the norm's peak would bind, untiled only.
+    monkeypatch.setattr(step_shape, "_ATTENTION_BLOCK_HIDDEN", 12)
+    assert shape(None).layer_working_set() == shape(None).attention_working_set() > shape(None).norm_working_set()
+    assert shape(64).layer_working_set() == shape(64).norm_working_set()
