@@ -9,6 +9,7 @@ projections, bf16-mixed, batch 1, AdamW, trained through `Trainer.fit`. Arms (na
 - `+offload`: `offload_activations=True` (layer inputs in pinned host memory);
 - `+chunked`: the module's loss is `chunked_causal_lm_loss(chunk_tokens=1024)` instead of Hugging Face's;
 - `+tiled`: the module tiles its MLPs (`tile_mlps(model, 4096)`);
+- `+tiledattn`: the module tiles its attention (`tile_attention(model, 16384)`: 16384 queries at a time);
 - `+liger`: Liger-Kernel's RMSNorm, RoPE and SwiGLU (`use_liger_kernels(model)`, taken off after the arm); with
   `+tiled` the MLPs keep the tiled forward and Liger's RMSNorm and RoPE go on (`swiglu=False`).
 
@@ -19,6 +20,8 @@ allocated and reserved GB over the measured steps, host-to-device and device-to-
     python -m benchmarks.long_context grid --points 7b:16384 --arms blockwise blockwise+offload+chunked
     python -m benchmarks.long_context card --path /tmp/ckpt-72b --seq 32768 --cap-gib 22
     python -m benchmarks.long_context card --random-init 123b --seq 8192 --cap-gib 22
+    python -m benchmarks.long_context card --random-init 7b --seq 262144 --cap-gib 22 \
+        --arm blockwise+offload+chunked+tiled+tiledattn+liger
 
 `--vram-budget` gives the blockwise arms a budget (the allocator's cap during their run).
 `card` caps the caching allocator from the process start (`set_per_process_memory_fraction`),
@@ -46,26 +49,40 @@ from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.liger import unuse_liger_kernels, use_liger_kernels
+from lightning_blockwise.longcontext.attention import tile_attention, untile_attention
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps, untile
 
 CHUNK = 1024
 TILE = 4096
+ATTENTION_TILE = 16384
 
 
 class LongModule(pl.LightningModule):
-    """Trains ``model`` on random tokens with Hugging Face's loss or the chunked one."""
+    """Trains ``model`` on random tokens with Hugging Face's loss or the chunked one, its tilings declared."""
 
-    def __init__(self, model: nn.Module, loss_chunk_tokens: int | None, mlp_tile_tokens: int | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_chunk_tokens: int | None,
+        mlp_tile_tokens: int | None,
+        attention_tile_tokens: int | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.loss_chunk_tokens = loss_chunk_tokens
         self.mlp_tile_tokens = mlp_tile_tokens
+        self.attention_tile_tokens = attention_tile_tokens
         if mlp_tile_tokens is not None:
             tile_mlps(model, mlp_tile_tokens)
         else:
             for layer in find_decoder_stack(model, allow_unvalidated=True).layers:
                 untile(layer.mlp)
+        # The model is shared by the arms: each sets or takes off its own attention tiling.
+        if attention_tile_tokens is not None:
+            tile_attention(model, attention_tile_tokens)
+        else:
+            untile_attention(model)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.loss_chunk_tokens is None:
@@ -120,6 +137,7 @@ def run_arm(
     parts = arm.split("+")
     chunk = CHUNK if "chunked" in parts else None
     tile = TILE if "tiled" in parts else None
+    attention_tile = ATTENTION_TILE if "tiledattn" in parts else None
     if parts[0] == "resident_ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -138,7 +156,7 @@ def run_arm(
         callbacks=[meter], deterministic=det,
     )  # fmt: skip
     row: dict[str, Any] = {"oom": False}
-    module = LongModule(model, chunk, tile)
+    module = LongModule(model, chunk, tile, attention_tile)
     if "liger" in parts:
         # After the module tiles or untiles the MLPs: a tiled MLP keeps its forward (Liger refuses to replace it).
         use_liger_kernels(model, swiglu=tile is None)

@@ -8,10 +8,11 @@ the step (the head, adapters, optimizer state) is one line.
 
     python -m benchmarks.memory_peak --shape 7b --seq 16384 --arm blockwise+offload+chunked
     python -m benchmarks.memory_peak --shape 7b --seq 65536 --arm blockwise+offload+chunked+tiled+liger+fused
+    python -m benchmarks.memory_peak --shape 7b --seq 65536 --arm blockwise+offload+chunked+tiled+tiledattn+liger
 
-Arm parts as `benchmarks.long_context`'s: `offload`, `chunked`, `tiled`, `+liger` (Liger's RMSNorm and RoPE, and its
-SwiGLU when the MLPs are untiled) and `+fused` (`use_fused_lora`). The largest blocks alive at the peak are listed
-too (``--largest``), with the label of their size.
+Arm parts as `benchmarks.long_context`'s: `offload`, `chunked`, `tiled`, `tiledattn`, `+liger` (Liger's RMSNorm and
+RoPE, and its SwiGLU when the MLPs are untiled) and `+fused` (`use_fused_lora`). The largest blocks alive at the peak
+are listed too (``--largest``), with the label of their size.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 
-from benchmarks.long_context import CHUNK, TILE, LongModule, _random_model
+from benchmarks.long_context import ATTENTION_TILE, CHUNK, TILE, LongModule, _random_model
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.kernels.fused_lora import use_fused_lora
@@ -114,7 +115,8 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
     )  # fmt: skip
     tile = TILE if "tiled" in parts else None
-    module = LongModule(model, CHUNK if "chunked" in parts else None, tile)
+    attention_tile = ATTENTION_TILE if "tiledattn" in parts else None
+    module = LongModule(model, CHUNK if "chunked" in parts else None, tile, attention_tile)
     if "liger" in parts:
         # After the module tiles the MLPs: a tiled MLP keeps its forward (Liger refuses to replace it).
         use_liger_kernels(model, swiglu=tile is None)
@@ -132,6 +134,9 @@ def main() -> None:
     }  # fmt: skip
     kv = config.num_key_value_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
     shapes.update({n * kv * 2: "tokens x kv (keys or values), bf16", n * kv * 4: "tokens x kv, fp32"})
+    if attention_tile is not None and attention_tile < n:
+        t = attention_tile
+        shapes.update({t * h * 4: "attention tile x hidden, fp32", t * h * 2: "attention tile x hidden, bf16"})
     peak, places, largest = peak_breakdown(recorder.snapshot, recorder.before, shapes)
     # A block of the same size as another shape is labelled with the first match, in the order above.
     print(json.dumps({"shape": args.shape, "seq": args.seq, "arm": args.arm, "replayed_peak_gb": peak / 1e9,
