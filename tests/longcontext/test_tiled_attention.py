@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,11 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.kernels import forwards, liger
+from lightning_blockwise.kernels.liger import use_liger_kernels
 from lightning_blockwise.longcontext import attention
 from lightning_blockwise.longcontext.attention import (
     TiledSDPA,
@@ -31,6 +36,7 @@ from tests.helpers.models import (
     fit,
     runs_differ,
 )
+from tests.kernels.test_liger import _ReferenceRMSNorm
 
 TILE = 5  # below SEQ, and not a divisor of it: tiles of 5, 5 and 2 queries
 ROWS = 2
@@ -219,6 +225,39 @@ def test_sliding_windows_shorter_than_the_sequence_are_refused() -> None:
     unwindowed = _model("qwen2", use_sliding_window=False, layer_types=["full_attention"] * NUM_LAYERS)
     tile_attention(unwindowed, TILE)
     unwindowed(**_batches(1)[0])
+
+
+@pytest.fixture
+def liger_references(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Liger's RMSNorm and RoPE swapped for torch references of Hugging Face's arithmetic (as tests/kernels does)."""
+    counts: Counter[str] = Counter()
+
+    def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Any, unsqueeze_dim: int) -> Any:
+        counts["rope"] += 1
+        return modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+    namespace = types.SimpleNamespace(rms_norm=_ReferenceRMSNorm, rope=rope, mlp_forwards={})
+    monkeypatch.setattr(liger, "_liger", lambda: namespace)
+    monkeypatch.setattr(forwards, "_on_cuda", lambda tensor, where: None)
+    return counts
+
+
+def test_liger_rope_and_norms_compute_around_tiled_attention(
+    liger_references: Counter[str], tile_calls: list[tuple[int, int]]
+) -> None:
+    """Liger's rebuilt attention forward still takes its attention function from the config: the tiled one."""
+    plain, batch = _model(), _batches(1)[0]
+    tile_attention(plain, TILE)
+    reference, reference_grads = _logits_and_grads(plain, batch)
+    tile_calls.clear()
+    model = _model()
+    use_liger_kernels(model, swiglu=False)
+    tile_attention(model, TILE)
+    logits, grads = _logits_and_grads(model, batch)
+    assert liger_references["rope"] == NUM_LAYERS and len(tile_calls) == 2 * NUM_LAYERS * TILES_PER_FORWARD
+    # The references compute Hugging Face's arithmetic: the same bits as the tiled model without Liger.
+    assert torch.equal(logits, reference)
+    assert all(torch.equal(grad, reference_grads[name]) for name, grad in grads.items())
 
 
 class _TiledModule(CausalLMModule):
