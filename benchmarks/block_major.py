@@ -93,7 +93,8 @@ def main() -> None:
         parser.error(
             "--random-init builds the base into the host arena; drop the `resident` arm, which needs it on the GPU"
         )
-    device = torch.device("cuda")
+    # With its index: set_per_process_memory_fraction refuses a bare "cuda" (the first GPU run of --cap-gib did).
+    device = torch.device("cuda", torch.cuda.current_device())
     if args.cap_gib is not None:
         # Before anything is allocated, as benchmarks/long_context.py's `card` does.
         total = torch.cuda.get_device_properties(device).total_memory
