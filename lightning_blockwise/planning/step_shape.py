@@ -37,6 +37,22 @@ _ATTENTION_BLOCK_HIDDEN = 4
 #: Hidden-state-sized bf16 equivalents alive beside that block, beyond the inputs and the hidden states alive
 #: throughout (NOTE [ A layer's backward peak ]; an estimate, not a fit).
 _ATTENTION_PEAK_HIDDEN = 7
+#: With Liger's RMSNorm (``fused_norm``), hidden-state-sized bf16 equivalents beside SDPA's block at attention's
+#: backward, beyond the inputs and the hidden states alive throughout. Fixed by the H100 7B points with attention
+#: untiled: 3.12 just reaches the 65k-token one, 3.0 the 358k one; the 262k one with 16k-query tiles allows 3.27 at
+#: most (NOTE [ A layer's backward peak ]).
+_FUSED_ATTENTION_PEAK_HIDDEN = 3.2
+#: With Liger's RMSNorm, hidden-state-sized bf16 equivalents at the post-attention norm's backward beyond the inputs
+#: and the hidden states alive throughout: attention's saved normed input, rotated queries and output, and the norm's
+#: saved bf16 input (NOTE [ A layer's backward peak ]; counted, not fitted: no measured point binds there).
+_FUSED_NORM_PEAK_HIDDEN = 4
+#: Hidden-state-sized bf16 equivalents the MLP's backward holds less with Liger's RMSNorm: the two norms' saved fp32
+#: upcasts (four), less the bf16 input Liger's post-attention norm saves instead (counted). The 22 GiB-capped 7B points
+#: at 16k and 32k tokens, MLP untiled, need at least 2.5 (NOTE [ A layer's backward peak ]).
+_FUSED_NORM_MLP_HIDDEN = 3
+#: Hidden-state-sized bf16 tensors per token a kept layer's graph holds less with Liger's RMSNorm and RoPE: 14.1 KB per
+#: token and layer at the 7B shape (52 KB less with Liger, 37.9 KB of it the SwiGLU activation ``fused_mlp`` counts).
+_FUSED_NORM_GRAPH_HIDDEN = 2
 
 
 # NOTE [ A layer's backward peak ]
@@ -65,10 +81,32 @@ _ATTENTION_PEAK_HIDDEN = 7
 # states kept throughout (attention's saved normed input, queries and output, the output's gradient,
 # the residual's gradient, the input norm's fp32 upcast), an estimate; with tiled attention (NOTE [
 # Tiled attention ] in longcontext/attention.py) the block is one tile's, and the finished tiles'
-# query gradients waiting for the last one add one hidden-sized tensor. With Hugging Face's RMSNorm,
-# which this model assumes, that peak (at most 12) stays under the norm's (15): it binds only where
-# the norms keep fewer fp32 copies (Liger's RMSNorm, not modelled), so tiled attention leaves every
-# prediction of this model unchanged.
+# query gradients waiting for the last one add one hidden-sized tensor. With Hugging Face's RMSNorm
+# that peak (at most 12) stays under the norm's (15), so tiled attention leaves those predictions unchanged.
+#
+# With Liger's RMSNorm (``fused_norm``: ``use_liger_kernels``, which ``kernels="auto"`` turns on on CUDA)
+# the norms keep and make no fp32 upcasts: the kernel saves its bf16 input and one fp32 scale per row
+# and writes its input gradient over the incoming one. Every peak above shrinks, and attention's binds
+# at long context. The model without this was 11-97% over the nine H100 points it is now fitted on
+# (Qwen2.5-7B shape, LoRA r16 without dropout, chunked loss, Liger's RMSNorm and RoPE; RESULTS.md,
+# "Session of 2026-11-26 03:51"; tests/planning/test_calibration.py), and with Liger:
+# - attention's backward: 3.2 hidden-sized bf16 equivalents beside SDPA's block. The 65k-token replay
+#   holds ten hidden-sized tensors at the peak, three beyond the three inputs in flight and the four
+#   kept throughout; three leave that point 0.6% under (0.2 GB of smaller tensors the replay does not
+#   list), 3.2 covers it (+0.4%) and the 358k untiled one (+1.4%), and the 262k one tiled by 16k
+#   queries bounds it (3.27 at most for 10% over; +8.5% at 3.2). The finished tiles' query gradients
+#   count as before (one), the block (4) too. The 262k untiled step that ran out of memory on a 22 GiB
+#   cap (a 7.03 GiB block refused at 20.26 GiB allocated: 29.3 GB at least) is planned at 29.9 GB.
+# - the post-attention norm's backward: four (attention's saved normed input, rotated queries and
+#   output, and the post-attention norm's saved bf16 input), counted, not fitted: no measured point
+#   binds there, and it stays under attention's at every tiling (3.2 + 1 + the tile's block).
+# - the MLP's backward: three fewer hidden-sized (the two norms' saved fp32 upcasts, four bf16
+#   equivalents, less the bf16 input Liger's post-attention norm saves instead). The 22 GiB-capped
+#   16k and 32k points, MLP untiled, need at least 2.5 fewer to be within 10% (+8.7% and +9.3% with
+#   three). Liger's SwiGLU (``fused_mlp``) leaves the six MLP-sized intermediates as counted: two fewer
+#   would put the 32k point 5% under.
+# - a kept layer's graph: two hidden-sized tensors per token fewer (:meth:`StepShape.layer_graph`).
+# The 65k points ran the fused LoRA update, the longer ones did not; the model does not tell them apart.
 
 
 @dataclass(frozen=True)
@@ -100,6 +138,8 @@ class StepShape:
             ``None``: ``hidden_size`` (no grouped-query attention).
         checkpoint_every: One layer input kept in this many, the others replayed in the backward (NOTE [ Input
             checkpoints ] in replay/segments.py); ``None``: every layer's input kept.
+        fused_norm: The decoder's RMSNorms run Liger's kernel (``kernels/liger.py``), which keeps and makes no fp32
+            upcasts of its input: smaller working sets and kept graphs (NOTE [ A layer's backward peak ]).
     """
 
     tokens: int
@@ -118,6 +158,7 @@ class StepShape:
     fused_mlp: bool = False
     checkpoint_every: int | None = None
     attention_tile_tokens: int | None = None
+    fused_norm: bool = False
 
     @classmethod
     def for_config(
@@ -135,6 +176,7 @@ class StepShape:
         fused_mlp: bool = False,
         checkpoint_every: int | None = None,
         attention_tile_tokens: int | None = None,
+        fused_norm: bool = False,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -153,6 +195,7 @@ class StepShape:
                 backward (Liger's SwiGLU/GeGLU, ``kernels/liger.py``): a kept graph holds one MLP-sized tensor less.
             checkpoint_every: One layer input kept in this many (``None``: every one).
             attention_tile_tokens: Queries per attention tile (``None``: untiled).
+            fused_norm: The RMSNorms run Liger's kernel (no fp32 upcasts kept or made).
         """
         config = getattr(config, "text_config", None) or config
         heads = getattr(config, "num_attention_heads", None)
@@ -175,6 +218,7 @@ class StepShape:
             fused_mlp=fused_mlp,
             checkpoint_every=checkpoint_every,
             attention_tile_tokens=attention_tile_tokens,
+            fused_norm=fused_norm,
         )
 
     def activation_peak(self) -> int:
@@ -220,12 +264,15 @@ class StepShape:
         equivalents; one layer alone, ``benchmarks/layer_working_set.py``, 302/439/524 KB per token at
         7B/32B/72B). With tiled MLPs the MLP's part is one tile's, and the tiles' input gradients,
         held until the last tile's backward is done, add one hidden-sized tensor (NOTE [ Tiled MLP ]):
-        ten, counted before, over-predicted the tiled H100 points by 11-16%.
+        ten, counted before, over-predicted the tiled H100 points by 11-16%. With Liger's RMSNorm
+        (``fused_norm``) three hidden-sized fewer: the norms' fp32 upcasts (NOTE [ A layer's backward peak ]).
         """
         if self.mlp_tile_tokens is None or self.mlp_tile_tokens >= self.tokens:
             hidden, mlp_tokens = 5, self.tokens  # a step within one tile runs the MLP untiled (TiledMLP)
         else:
             hidden, mlp_tokens = 6, self.mlp_tile_tokens
+        # Liger's RMSNorm keeps no fp32 upcasts of the norms' inputs (NOTE [ A layer's backward peak ]).
+        hidden -= _FUSED_NORM_MLP_HIDDEN if self.fused_norm else 0
         per_token = hidden * self.tokens * self.hidden_size + 6 * mlp_tokens * self.intermediate_size
         return per_token * self.activation_bytes
 
@@ -233,10 +280,11 @@ class StepShape:
         """Bytes at the post-attention norm's backward in a layer's recompute (NOTE [ A layer's backward peak ]).
 
         Fifteen hidden-state-sized bf16 equivalents and attention's keys and values, beyond the hidden states
-        :meth:`activation_peak` counts throughout: what binds at long context once the MLP is tiled.
+        :meth:`activation_peak` counts throughout: what binds at long context once the MLP is tiled. With Liger's
+        RMSNorm (``fused_norm``), which keeps no fp32 upcasts, four.
         """
         kv_size = self.hidden_size if self.kv_size is None else self.kv_size
-        hidden = _NORM_PEAK_HIDDEN * self.tokens * self.hidden_size
+        hidden = (_FUSED_NORM_PEAK_HIDDEN if self.fused_norm else _NORM_PEAK_HIDDEN) * self.tokens * self.hidden_size
         return (hidden + 2 * self.tokens * kv_size) * self.activation_bytes
 
     def attention_working_set(self) -> int:
@@ -244,13 +292,15 @@ class StepShape:
 
         SDPA's backward block, four hidden-state-sized bf16 tensors over the queries run at once (the whole sequence,
         or one tile with tiled attention), seven more over the sequence (eight with tiles) and the keys and values,
-        beyond the hidden states :meth:`activation_peak` counts throughout.
+        beyond the hidden states :meth:`activation_peak` counts throughout. With Liger's RMSNorm (``fused_norm``)
+        3.2 instead of seven (4.2 with tiles): what binds at long context then.
         """
         kv_size = self.hidden_size if self.kv_size is None else self.kv_size
         tiled = self.attention_tile_tokens is not None and self.attention_tile_tokens < self.tokens
         queries = self.attention_tile_tokens if tiled else self.tokens  # within one tile it runs untiled (TiledSDPA)
-        hidden = (_ATTENTION_PEAK_HIDDEN + tiled) * self.tokens + _ATTENTION_BLOCK_HIDDEN * queries
-        return (hidden * self.hidden_size + 2 * self.tokens * kv_size) * self.activation_bytes
+        beside = _FUSED_ATTENTION_PEAK_HIDDEN if self.fused_norm else _ATTENTION_PEAK_HIDDEN
+        hidden = (beside + tiled) * self.tokens + _ATTENTION_BLOCK_HIDDEN * queries
+        return int((hidden * self.hidden_size + 2 * self.tokens * kv_size) * self.activation_bytes)
 
     def input_bytes(self) -> int:
         """Bytes of one layer's input (what a rematerialized layer saves for its backward)."""
@@ -277,6 +327,11 @@ class StepShape:
         shape without dropout (2048 and 4096 tokens, H100, LoRA r16 on all seven projections;
         ``benchmarks/results/h100_long_context.jsonl``), 209 predicted; kept layers of the Qwen2.5-32B
         shape with dropout 0.05 about 387 (``benchmarks/card_check.py``, 1024 tokens), 420 predicted.
+
+        With Liger's RMSNorm and RoPE (``fused_norm``) two hidden-sized fewer: 52 KB per token and layer less measured
+        with Liger at the 7B shape, of which 37.9 KB is the SwiGLU activation ``fused_mlp`` counts and 14.1 KB, two
+        hidden-sized tensors, the norms' and RoPE's. The 80 GB card's 4k and 16k points with every block resident
+        and 28 and 21 blocks kept are then 4.3% and 5.9% over (NOTE [ A layer's backward peak ]).
         """
         hidden, mlp = (14, 5) if self.adapter_dropout else (8, 4)
         # The MLP-sized four are the gate and up projections, the activation and the product the down projection's
@@ -285,6 +340,7 @@ class StepShape:
         # layer kept; results/h100_peers_7b_80gb.jsonl, ours against ours+liger), of which this counts the 37.9 KB
         # of the activation only, staying over.
         mlp -= self.fused_mlp
+        hidden -= _FUSED_NORM_GRAPH_HIDDEN if self.fused_norm else 0
         graph = self.tokens * (hidden * self.hidden_size + mlp * self.intermediate_size) * self.activation_bytes
         # Rounded as the allocator rounds (a 1.5B run with kept blocks allocated 0.4% above the unrounded sum).
         return int(graph * _ALLOCATOR_ROUNDING)

@@ -146,6 +146,7 @@ class StepBudget:
             (NOTE [ Split layer inputs ] in residency/activations.py).
         card: The budget is the card's (NOTE [ The card as the default budget ]): a step it cannot hold streams.
         fused_mlp: The model's MLPs run Liger's fused gated activation (a smaller kept graph: ``StepShape``).
+        fused_norm: The model's RMSNorms run Liger's kernel (no fp32 upcasts: smaller working sets and kept graphs).
         checkpoint_every: One layer input kept in this many, the others replayed (``input_checkpoint_every``).
         choose_inputs: Neither ``offload`` nor ``checkpoint_every`` was set: with a budget the planner chooses
             where the layer inputs wait (NOTE [ Where layer inputs wait ]).
@@ -176,6 +177,7 @@ class StepBudget:
     choose_inputs: bool = False
     host_ranks: int = 1
     attention_tile_tokens: int | None = None
+    fused_norm: bool = False
 
     @classmethod
     def for_module(
@@ -226,6 +228,7 @@ class StepBudget:
         head = model.get_output_embeddings()
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         buckets = trainable if ranks > 1 else 0
+        liger = liger_kernels_in(model)
         return cls(
             config=model.config,
             num_layers=len(find_decoder_stack(model, allow_unvalidated=True).layers),
@@ -245,11 +248,12 @@ class StepBudget:
             window=window,
             offloaded_layers=offloaded_layers,
             card=card,
-            fused_mlp=liger_kernels_in(model)["mlp"] > 0,
+            fused_mlp=liger["mlp"] > 0,
             checkpoint_every=checkpoint_every,
             choose_inputs=offload is None and checkpoint_every is None,
             host_ranks=host_ranks,
             attention_tile_tokens=_declared_count(module, "attention_tile_tokens"),
+            fused_norm=liger["rms_norm"] > 0,
         )
 
     @property
@@ -281,6 +285,7 @@ class StepBudget:
             fused_mlp=self.fused_mlp,
             checkpoint_every=checkpoint_every,
             attention_tile_tokens=self.attention_tile_tokens,
+            fused_norm=self.fused_norm,
         )
 
     def plan(self, tokens: int, host_bytes: int | None = None) -> StepPlan:
