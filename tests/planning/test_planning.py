@@ -155,3 +155,29 @@ def test_attention_backward_counts_its_block_over_the_whole_sequence_or_one_tile
     monkeypatch.setattr(step_shape, "_ATTENTION_BLOCK_HIDDEN", 12)
     assert shape(None).layer_working_set() == shape(None).attention_working_set() > shape(None).norm_working_set()
     assert shape(64).layer_working_set() == shape(64).norm_working_set()
+
+
+def test_liger_rmsnorm_shrinks_every_working_set_and_attention_binds() -> None:
+    """NOTE [ A layer's backward peak ]: with ``fused_norm`` no fp32 upcasts; control: the same shape without it."""
+
+    def shape(fused_norm: bool, attention_tile: int | None = None, adapter_dropout: bool = False) -> StepShape:
+        return StepShape(tokens=512, hidden_size=8, intermediate_size=16, vocab_size=100, num_layers=5, kv_size=4,
+                         mlp_tile_tokens=64, attention_tile_tokens=attention_tile, fused_norm=fused_norm,
+                         adapter_dropout=adapter_dropout, loss_chunk_tokens=64)  # fmt: skip
+
+    kv = 2 * 512 * 4
+    assert shape(True).norm_working_set() == (4 * 512 * 8 + kv) * 2
+    assert shape(True).attention_working_set() == int((3.2 * 512 * 8 + 4 * 512 * 8 + kv) * 2)
+    assert shape(True, 64).attention_working_set() == int(((3.2 + 1) * 512 * 8 + 4 * 64 * 8 + kv) * 2)
+    assert shape(True).mlp_working_set() == ((6 - 3) * 512 * 8 + 6 * 64 * 16) * 2
+    for dropout in (False, True):
+        saved = shape(False, adapter_dropout=dropout).layer_graph() - shape(True, adapter_dropout=dropout).layer_graph()
+        assert saved == pytest.approx(2 * 512 * 8 * 2 * 1.02, abs=1)
+    # Attention's backward binds at every tiling (the norm's four stay under 3.2 + 1 + a tile's block).
+    for tile in (None, 64, 1):
+        assert shape(True, tile).layer_working_set() == shape(True, tile).attention_working_set()
+        assert shape(True, tile).norm_working_set() < shape(True, tile).attention_working_set()
+    # Control: without it the norm's fifteen bind, and each working set is larger.
+    assert shape(False).layer_working_set() == shape(False).norm_working_set() > shape(True).layer_working_set()
+    for method in ("norm_working_set", "attention_working_set", "mlp_working_set", "activation_peak"):
+        assert getattr(shape(True), method)() < getattr(shape(False), method)(), method

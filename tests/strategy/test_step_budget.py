@@ -212,6 +212,17 @@ def test_the_memory_model_counts_input_checkpoints() -> None:
     assert offloaded.host_inputs() == 3 and offloaded.offloaded_host_bytes() == 3 * ONE
 
 
+@pytest.mark.parametrize("norms", [0, 17])
+def test_the_budget_plans_for_liger_rmsnorm_where_it_runs(monkeypatch: pytest.MonkeyPatch, norms: int) -> None:
+    """``fused_norm`` comes from the model's Liger RMSNorms, as ``fused_mlp`` from its MLPs; control: none installed."""
+    model = build_model("llama")
+    counts = {"rms_norm": norms, "rope": 0, "mlp": 0}
+    monkeypatch.setattr(step_budget, "liger_kernels_in", lambda _: counts)
+    budget = StepBudget.for_module(model, model.get_base_model(), [1000] * LAYERS, torch.device("cpu"), 2, None, None)
+    assert budget.fused_norm is (norms > 0) and not budget.fused_mlp
+    assert budget.shape(TOKENS, offload=False).fused_norm is (norms > 0)
+
+
 def test_host_room_is_what_the_arenas_check_sees_less_its_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_budget, "available_host_memory", lambda: step_budget.HOST_RAM_RESERVE + 10 * ONE)
     assert (host_room(), host_room(2)) == (10 * ONE, 5 * ONE)
