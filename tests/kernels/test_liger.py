@@ -306,7 +306,11 @@ def test_gemma3_multimodal_gets_its_language_model_only() -> None:
 
 
 def test_the_planner_counts_the_fused_activation_out_of_a_kept_graph() -> None:
-    """A kept layer with Liger's MLP keeps one MLP-sized tensor less (StepShape.layer_graph); control: without it."""
+    """A kept layer with Liger's MLP keeps one MLP-sized tensor less (StepShape.layer_graph); control: without it.
+
+    Only the MLP kernel is installed here: Liger's RMSNorm takes hidden-sized tensors out of the graph too (the
+    planner's ``fused_norm``, tested in tests/planning), which would blur the one MLP-sized tensor this checks.
+    """
     from lightning_blockwise.strategy.step_budget import StepBudget
 
     def budget(model: nn.Module) -> StepBudget:
@@ -316,9 +320,10 @@ def test_the_planner_counts_the_fused_activation_out_of_a_kept_graph() -> None:
 
     model = build_model("llama")
     plain = budget(model)
-    use_liger_kernels(model)
+    use_liger_kernels(model, rms_norm=False, rope=False)
     fused = budget(model)
     assert fused.fused_mlp and not plain.fused_mlp
+    assert not fused.fused_norm
     tokens = 4096
     config = model.get_base_model().config
     saved = plain.layer_graph(tokens) - fused.layer_graph(tokens)
