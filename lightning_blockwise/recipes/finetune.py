@@ -109,11 +109,11 @@ class CausalLMFineTune(pl.LightningModule):
             applies under every strategy (NOTE [ Tiled attention ] in longcontext/attention.py).
         kernels: Faster layers, one name or a list: ``"liger"``, Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU
             (GeGLU on Gemma) (:func:`~lightning_blockwise.kernels.liger.use_liger_kernels`; CUDA only; ``pip install
-            "lightning-blockwise[kernels]"``; refused with ``mlp_tile_tokens``, both replace the MLPs' forward);
+            "lightning-blockwise[kernels]"``; with ``mlp_tile_tokens`` its RMSNorm and RoPE only, the MLPs tiled);
             ``"fused_lora"``, each LoRA update added inside its second matmul
             (:func:`~lightning_blockwise.kernels.fused_lora.use_fused_lora`; any device; plain LoRA, not DoRA).
-            ``"auto"`` (default): the fused update for plain LoRA, and Liger's where it is installed, the Trainer
-            trains on CUDA and the MLPs are not tiled, decided when the model is built (the log says what);
+            ``"auto"`` (default): the fused update for plain LoRA, and Liger's where it is installed and the Trainer
+            trains on CUDA (with tiled MLPs its RMSNorm and RoPE), decided when the model is built (the log says what);
             ``None``: the model's and PEFT's own layers. Each changes the rounding, so it applies under every
             strategy (NOTE [ Liger kernels and exactness ] in kernels/liger.py).
         adapter_path: A PEFT adapter directory (an earlier run's export, ``<log_dir>/adapter``) to start from
@@ -127,9 +127,9 @@ class CausalLMFineTune(pl.LightningModule):
     Raises:
         MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, ``loss_chunk_tokens``,
             ``mlp_tile_tokens`` or ``attention_tile_tokens`` is neither ``None`` nor an integer of at least 1, or
-            ``kernels`` names an unknown kernel, ``"liger"`` with ``mlp_tile_tokens`` or without Liger-Kernel
-            installed, ``"fused_lora"`` with DoRA, or (when the model is built, before the base loads) ``adapter_path``
-            holds no ``adapter_config.json``, ``"fused_lora"`` is asked for a DoRA adapter directory, or ``"liger"``
+            ``kernels`` names an unknown kernel, ``"liger"`` without Liger-Kernel installed, ``"fused_lora"`` with
+            DoRA, or (when the model is built, before the base loads) ``adapter_path`` holds no
+            ``adapter_config.json``, ``"fused_lora"`` is asked for a DoRA adapter directory, or ``"liger"``
             for a device other than CUDA; (once the base is loaded) ``attention_tile_tokens`` for a model whose
             attention is not sdpa or has dropout; (in a step) a packed batch with ``attention_tile_tokens``.
 
@@ -221,7 +221,7 @@ class CausalLMFineTune(pl.LightningModule):
         kernels = self._kernels
         if kernels is None:  # "auto": decided once, here, so every strategy trains the same function
             kernels = resolve_auto(self.model, device_type, self.mlp_tile_tokens)
-        install_kernels(self.model, kernels)
+        install_kernels(self.model, kernels, mlp_tiled=self.mlp_tile_tokens is not None)
         self._installed_kernels = sorted(kernels)
         if self.mlp_tile_tokens is not None:
             # Under every strategy, so that blockwise and resident runs train the same function.

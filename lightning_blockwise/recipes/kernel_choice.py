@@ -27,9 +27,12 @@ def kernel_choice(
 ) -> frozenset[str] | None:
     """The set of kernels ``kernels`` names (``None`` for ``"auto"``), refused when unknown, clashing, or missing.
 
+    With ``mlp_tile_tokens``, ``"liger"`` means Liger's RMSNorm and RoPE: the tiled MLPs keep their forward
+    (:func:`install_kernels`).
+
     Raises:
-        MisconfigurationException: If a name is not in :data:`KERNELS`, ``"liger"`` comes with ``mlp_tile_tokens``
-            (both replace the MLPs' forward) or without Liger-Kernel installed, or ``"fused_lora"`` with DoRA.
+        MisconfigurationException: If a name is not in :data:`KERNELS`, ``"liger"`` comes without Liger-Kernel
+            installed, or ``"fused_lora"`` with DoRA.
     """
     if kernels == AUTO:
         return None
@@ -43,12 +46,6 @@ def kernel_choice(
             f" 'auto', None, or from {', '.join(map(repr, KERNELS))} (one or a list)."
         )
     choice = frozenset(names)
-    if "liger" in choice and mlp_tile_tokens is not None:
-        raise MisconfigurationException(
-            f"CausalLMFineTune(kernels={kernels!r}, mlp_tile_tokens={mlp_tile_tokens}): Liger's fused SwiGLU and the"
-            " tiled MLP both replace the MLPs' forward, so they are not combined. Keep one: drop 'liger' for long"
-            " context, or `mlp_tile_tokens=None`."
-        )
     if "fused_lora" in choice and use_dora:
         raise MisconfigurationException(
             f"CausalLMFineTune(kernels={kernels!r}, use_dora=True): the fused LoRA update computes plain LoRA only;"
@@ -93,7 +90,8 @@ def resolve_auto(model: nn.Module, device_type: str | None, mlp_tile_tokens: int
     """What ``kernels="auto"`` installs on ``model`` (after its adapters), and a log line saying what and why.
 
     The fused LoRA update wherever the adapters are plain LoRA; Liger-Kernel's where it is installed, the Trainer
-    trains on CUDA, the architecture is one Liger knows and the MLPs are not tiled. Each changes the rounding against
+    trains on CUDA and the architecture is one Liger knows (with tiled MLPs its RMSNorm and RoPE only: the long
+    context where its RMSNorm, keeping no fp32 copies, saves the most memory). Each changes the rounding against
     the model's and PEFT's own layers, under every strategy alike (NOTE [ Liger kernels and exactness ] in
     kernels/liger.py): decided here once, so a resident and a blockwise run of the module train the same function.
     """
@@ -109,26 +107,32 @@ def resolve_auto(model: nn.Module, device_type: str | None, mlp_tile_tokens: int
         reasons.append('no Liger-Kernel: not installed (`pip install "lightning-blockwise[kernels]"`)')
     elif device_type != "cuda":
         reasons.append(f"no Liger-Kernel: its kernels need CUDA, the Trainer trains on {device_type}")
-    elif mlp_tile_tokens is not None:
-        reasons.append("no Liger-Kernel: the MLPs are tiled (mlp_tile_tokens)")
     elif model_type not in LIGER_MODEL_TYPES:
         reasons.append(f"no Liger-Kernel: it does not know model_type {model_type!r}")
     else:
         choice.add("liger")
+        if mlp_tile_tokens is not None:
+            reasons.append("Liger's RMSNorm and RoPE, not its SwiGLU: the MLPs are tiled (mlp_tile_tokens)")
     chosen = " and ".join(sorted(choice)) or "none"
     rank_zero_info(f"CausalLMFineTune(kernels='auto'): {chosen}" + (f"; {'; '.join(reasons)}" if reasons else ""))
     return frozenset(choice)
 
 
-def install_kernels(model: nn.Module, choice: frozenset[str]) -> None:
+def install_kernels(model: nn.Module, choice: frozenset[str], mlp_tiled: bool = False) -> None:
     """Install the chosen kernels on ``model`` (after its adapters), under every strategy alike.
 
     Like the tiled MLP, they change the rounding, so blockwise and resident runs must train the same function
     (NOTE [ Liger kernels and exactness ] in kernels/liger.py, NOTE [ Fused LoRA update ] in kernels/fused_lora.py).
+
+    Args:
+        model: The PEFT model.
+        choice: The kernels' names (:data:`KERNELS`).
+        mlp_tiled: The MLPs are to be tiled (``tile_mlps``, after this): Liger's SwiGLU is left out, its RMSNorm and
+            RoPE installed.
     """
     if "liger" in choice:
         # The kernels call the adapted linears as they find them (fused or PEFT's).
-        use_liger_kernels(model)
+        use_liger_kernels(model, swiglu=not mlp_tiled)
     if "fused_lora" in choice:
         use_fused_lora(model)
 

@@ -12,9 +12,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.kernels.fused_lora import fused_lora_in
 from lightning_blockwise.kernels.liger import liger_kernels_in
+from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes import kernel_choice
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from lightning_blockwise.recipes.kernel_choice import resolve_auto
+from lightning_blockwise.recipes.kernel_choice import install_kernels, resolve_auto
 from tests.helpers.models import NUM_LAYERS, build_model, trainer
 
 
@@ -49,8 +50,6 @@ def test_kernels_liger_on_a_cpu_trainer_is_refused_before_the_base_loads(tmp_pat
 def test_kernels_choices_and_combinations_are_checked_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(MisconfigurationException, match=r"'unsloth' is not a kernel choice; choose 'auto', None"):
         CausalLMFineTune("/no/such/checkpoint", kernels=["fused_lora", "unsloth"])
-    with pytest.raises(MisconfigurationException, match=r"mlp_tile_tokens=4096\): Liger's fused SwiGLU and the tiled"):
-        CausalLMFineTune("/no/such/checkpoint", kernels="liger", mlp_tile_tokens=4096)
     with pytest.raises(MisconfigurationException, match=r"use_dora=True\): the fused LoRA update computes plain LoRA"):
         CausalLMFineTune("/no/such/checkpoint", kernels="fused_lora", use_dora=True)
     monkeypatch.setitem(sys.modules, "liger_kernel", None)
@@ -61,6 +60,8 @@ def test_kernels_choices_and_combinations_are_checked_in_the_constructor(monkeyp
     assert CausalLMFineTune("/no/such/checkpoint", kernels="liger").hparams.kernels == "liger"
     assert CausalLMFineTune("/no/such/checkpoint", mlp_tile_tokens=4096).mlp_tile_tokens == 4096
     assert CausalLMFineTune("/no/such/checkpoint", kernels="fused_lora", mlp_tile_tokens=4096).mlp_tile_tokens == 4096
+    # Liger with tiled MLPs is its RMSNorm and RoPE (install_kernels), no longer refused.
+    assert CausalLMFineTune("/no/such/checkpoint", kernels="liger", mlp_tile_tokens=4096).mlp_tile_tokens == 4096
 
 
 def test_kernels_fused_lora_installs_on_every_adapted_linear_on_the_cpu(checkpoints: dict[str, Path]) -> None:
@@ -97,7 +98,7 @@ def test_kernels_auto_is_the_default_and_takes_what_applies_here(
     ("device", "tile", "liger_installed", "expected"),
     [
         ("cuda", None, True, {"liger", "fused_lora"}),
-        ("cuda", 4096, True, {"fused_lora"}),
+        ("cuda", 4096, True, {"liger", "fused_lora"}),
         ("cuda", None, False, {"fused_lora"}),
         ("cpu", None, True, {"fused_lora"}),
     ],
@@ -127,3 +128,18 @@ def test_fused_lora_for_a_dora_adapter_directory_is_refused_before_the_base_load
     with pytest.raises(Exception) as loading:
         plain.configure_model()
     assert "DoRA" not in str(loading.value)
+
+
+def test_liger_with_tiled_mlps_installs_its_norms_and_rope_and_leaves_the_mlps_to_the_tiles() -> None:
+    """``install_kernels(..., mlp_tiled=True)`` keeps Liger's SwiGLU off, so ``tile_mlps`` can tile every MLP after it.
+
+    Control: untiled, Liger takes every MLP.
+    """
+    model = build_model("llama")
+    install_kernels(model, frozenset({"liger"}), mlp_tiled=True)
+    counts = liger_kernels_in(model)
+    assert counts["rms_norm"] > 0 and counts["rope"] > 0 and counts["mlp"] == 0
+    assert tile_mlps(model, 16) == NUM_LAYERS
+    control = build_model("llama")
+    install_kernels(control, frozenset({"liger"}))
+    assert liger_kernels_in(control)["mlp"] == NUM_LAYERS
