@@ -12,6 +12,8 @@ Example::
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 16384 --gpu-memory 24GiB --offload-activations auto
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 32768 --loss-chunk-tokens 1024 --mlp-tile-tokens 4096
     lightning-blockwise plan /models/Qwen2.5-7B --seq-len 262144 --mlp-tile-tokens 4096 --attention-tile-tokens 16384
+    lightning-blockwise plan --shape 7b --card 22GiB --host-ram 128GiB --longest --kernels liger \
+        --attention-tile-tokens 16384 --mlp-tile-tokens 4096 --loss-chunk-tokens 1024
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 4096 --devices 2 --gpu-memory 80GB
     lightning-blockwise plan /models/Qwen2.5-7B --card 24GB --host-ram 128GB --longest
     lightning-blockwise plan --shape 72b --host-ram 256GiB --table
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, plan_parser
+from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, modelled_kernels, plan_parser
 from lightning_blockwise.cli.plan_context import longest_report
 from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
 from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
@@ -56,11 +58,6 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
     options = plan_parser().parse_args(sys.argv[2:] if args is None else args)
     config = _config(options.checkpoint, options.shape)
     if options.longest or options.table:
-        if options.attention_tile_tokens is not None:
-            raise SystemExit(
-                f"lightning-blockwise plan: {'--longest' if options.longest else '--table'} does not take"
-                " --attention-tile-tokens; plan a given length with --seq-len."
-            )
         return longest_report(config, options)
     try:
         report = plan_report(
@@ -81,6 +78,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             quantize=not options.dense,
             block_major=options.block_major,
             devices=options.devices,
+            kernels=options.kernels,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -109,6 +107,7 @@ def plan_report(
     block_major: int | None = None,
     devices: int = 1,
     attention_tile_tokens: int | None = None,
+    kernels: str = "none",
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -140,10 +139,14 @@ def plan_report(
             (NOTE [ One host copy per machine ]), each rank's offloaded layer inputs and host embedding table.
         attention_tile_tokens: Queries per tile of the module's tiled attention
             (:func:`~lightning_blockwise.longcontext.attention.tile_attention`); ``None``: untiled.
+        kernels: ``--kernels``: ``"liger"`` counts Liger-Kernel's RMSNorm and RoPE, which keep no fp32 copies of
+            the norms' inputs, and its SwiGLU where the MLPs are untiled; ``"auto"`` the same where Liger-Kernel is
+            installed here; ``"none"`` the model's own layers (NOTE [ The kernels plan counts ] in plan_arguments.py).
 
     Raises:
-        MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``block_size`` is
-            out of range, ``vram_budget`` below the minimum, or ``gpu_memory`` no more than the CUDA context takes.
+        MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``kernels`` is not
+            a choice, ``block_size`` is out of range, ``vram_budget`` below the minimum, or ``gpu_memory`` no more
+            than the CUDA context takes.
     """
     try:
         model = model_sizes(
@@ -159,6 +162,11 @@ def plan_report(
         # message stands alone.
         raise MisconfigurationException(str(error)) from None
     sizes = model.per_rank(devices)  # what one rank's GPU holds
+    try:
+        modelled = modelled_kernels(kernels, sizes.model_type, mlp_tile_tokens is not None)
+    except ValueError as error:
+        raise MisconfigurationException(f"--kernels: {error}") from None
+    fused = {"fused_norm": modelled.liger, "fused_mlp": modelled.fused_mlp}
     if block_size > sizes.num_layers:
         raise MisconfigurationException(
             f"--block-size {block_size} is more than the {sizes.num_layers} decoder layers of this"
@@ -176,6 +184,7 @@ def plan_report(
         device_limit=card_limit,
         window=block_major or 1,
         attention_tile_tokens=attention_tile_tokens,
+        **fused,
     )
     if block_major is not None and block_major > 1 and offload_activations:
         raise MisconfigurationException(
@@ -211,6 +220,10 @@ def plan_report(
         "loss_chunk_tokens": loss_chunk_tokens,
         "mlp_tile_tokens": mlp_tile_tokens,
         "attention_tile_tokens": attention_tile_tokens,
+        "kernels_option": kernels,
+        "kernels": "liger" if modelled.liger else "none",
+        "kernels_reason": modelled.reason,
+        "fused_mlp": step.shape.fused_mlp,
         "block_major": block_major,
         "offload_host_bytes": offload_host_bytes,
         "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,
@@ -219,7 +232,7 @@ def plan_report(
         try:
             advice = recommend(
                 sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens,
-                attention_tile_tokens,
+                attention_tile_tokens, **fused,
             )  # fmt: skip
         except ValueError as error:
             raise MisconfigurationException(f"--gpu-memory: {error}.") from None

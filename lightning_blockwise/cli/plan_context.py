@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES
+from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, modelled_kernels
 from lightning_blockwise.cli.plan_longest import Machine, context_table, longest_context
 from lightning_blockwise.cli.plan_table import fit_fields, longest_text, table_markdown
 from lightning_blockwise.planning.recommend import SMALLEST_CARD
@@ -28,6 +28,7 @@ def longest_report(config: Any, options: argparse.Namespace) -> dict[str, Any]:
     """
     _refuse(options)
     host_ram = options.host_ram or _this_host_ram()
+    kernels = modelled_kernels(options.kernels, str(config.model_type), options.mlp_tile_tokens is not None)
     machine = Machine(
         card=options.gpu_memory or SMALLEST_CARD,
         host_ram=host_ram,
@@ -39,6 +40,9 @@ def longest_report(config: Any, options: argparse.Namespace) -> dict[str, Any]:
         offload=OFFLOAD_CHOICES[options.offload_activations],
         loss_chunk_tokens=options.loss_chunk_tokens,
         mlp_tile_tokens=options.mlp_tile_tokens,
+        attention_tile_tokens=options.attention_tile_tokens,
+        fused_norm=kernels.liger,
+        fused_mlp=kernels.fused_mlp,
     )
     try:
         sizes = model_sizes(
@@ -54,7 +58,9 @@ def longest_report(config: Any, options: argparse.Namespace) -> dict[str, Any]:
     name = options.shape or str(getattr(config, "name_or_path", "") or sizes.model_type)
     report: dict[str, Any] = {"model": name, "host_ram": host_ram, "pinned_limit": options.pinned_limit,
                               "tflops": options.tflops, "link_gbps": options.link_gbps,
-                              "recompute_every": options.recompute_every}  # fmt: skip
+                              "recompute_every": options.recompute_every, "kernels_option": options.kernels,
+                              "kernels": "liger" if kernels.liger else "none",
+                              "kernels_reason": kernels.reason}  # fmt: skip
     texts = []
     if options.longest:
         longest, after = longest_context(sizes, machine)
@@ -71,6 +77,9 @@ def longest_report(config: Any, options: argparse.Namespace) -> dict[str, Any]:
             for gib in table["cards_gib"]
         }
         texts.append(table_markdown(table, machine, name))
+    if options.kernels != "none":
+        # NOTE [ The kernels plan counts ]: `--kernels none` prints what plan printed before the option.
+        texts.append(f"kernels: {kernels.reason}")
     print(json.dumps(report, indent=2) if options.json else "\n\n".join(texts))
     return report
 

@@ -1,10 +1,10 @@
 """``lightning-blockwise plan --longest`` and ``--table``: the longest context a card and a host train, and a grid.
 
 A length fits when the card's recommendation for it (:func:`~lightning_blockwise.planning.recommend.recommend`:
-budget, block size, and offload, the chunked loss and tiled MLPs where needed) fits the card, and the host holds
-what it pins (the arena and the offloaded layer inputs) beside the embedding table and a reserve. The search and
-the step-time formula are :mod:`lightning_blockwise.planning.longest`'s; :mod:`~lightning_blockwise.cli.plan_table`
-prints the answers.
+budget, block size, and offload, the chunked loss and tiled MLPs where needed; the attention tile and the kernels
+``plan --kernels`` counts as given) fits the card, and the host holds what it pins (the arena and the offloaded
+layer inputs) beside the embedding table and a reserve. The search and the step-time formula are
+:mod:`lightning_blockwise.planning.longest`'s; :mod:`~lightning_blockwise.cli.plan_table` prints the answers.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class Machine:
         offload: ``offload_activations`` as given; ``None``: the recommendation chooses.
         loss_chunk_tokens: The module's loss chunk as given; ``None``: the recommendation chooses.
         mlp_tile_tokens: The module's MLP tile as given; ``None``: the recommendation chooses.
+        attention_tile_tokens: The module's attention tile as given (never chosen); ``None``: untiled.
+        fused_norm: The RMSNorms run Liger's kernel (``plan --kernels``).
+        fused_mlp: The MLPs run Liger's fused gated activation where the recommendation leaves them untiled.
     """
 
     card: int
@@ -62,6 +65,9 @@ class Machine:
     offload: bool | None = None
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
+    attention_tile_tokens: int | None = None
+    fused_norm: bool = False
+    fused_mlp: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,8 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
     left = machine.card - segment
     advice = recommend(
         sizes, max(left, SMALLEST_CARD), tokens, machine.prefetch_depth, machine.offload,
-        machine.loss_chunk_tokens, machine.mlp_tile_tokens,
+        machine.loss_chunk_tokens, machine.mlp_tile_tokens, machine.attention_tile_tokens, machine.fused_norm,
+        machine.fused_mlp,
     )  # fmt: skip
     advice = _with_card(advice, machine.card)
     if left < SMALLEST_CARD:
@@ -136,6 +143,7 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
             recompute_every=every,
             kept_layers=kept,
             kept_params=kept * _layer_params(sizes.config),
+            tiled_attention=advice.attention_tile_tokens is not None and advice.attention_tile_tokens < tokens,
         )
         time = step_time(cost, tokens, machine.tflops, machine.link_gbps)
     return ContextFit(tokens, advice, pinned, host, binds, time)

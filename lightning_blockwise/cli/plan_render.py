@@ -12,6 +12,15 @@ from lightning_blockwise.planning import format_gb
 from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, Recommendation
 
 
+def kernels_setting(advice: Recommendation) -> str | None:
+    """``CausalLMFineTune``'s ``kernels`` to set for a plan: ``"liger"`` where it counts Liger's RMSNorm, else ``None``.
+
+    A run without Liger's kernels needs more memory than such a plan, and ``kernels="liger"`` refuses to start without
+    Liger-Kernel where ``"auto"`` would go on without it (NOTE [ The kernels plan counts ] in plan_arguments.py).
+    """
+    return "liger" if advice.fused_norm else None
+
+
 def recommendation_fields(advice: Recommendation, host_arena_bytes: int, devices: int = 1) -> dict[str, Any]:
     """The ``recommendation`` of the report, with the settings to copy into a config (host RAM for ``devices``)."""
     budget_text = f"{advice.budget / 2**30:.1f}GiB"
@@ -22,6 +31,7 @@ def recommendation_fields(advice: Recommendation, host_arena_bytes: int, devices
         "loss_chunk_tokens": advice.loss_chunk_tokens,
         "mlp_tile_tokens": advice.mlp_tile_tokens,
         "attention_tile_tokens": advice.attention_tile_tokens,
+        "kernels": kernels_setting(advice),
     }
     model = {name: value for name, value in module_options.items() if value is not None}
     return {
@@ -36,6 +46,8 @@ def recommendation_fields(advice: Recommendation, host_arena_bytes: int, devices
         "loss_chunk_tokens": advice.loss_chunk_tokens,
         "mlp_tile_tokens": advice.mlp_tile_tokens,
         "attention_tile_tokens": advice.attention_tile_tokens,
+        "fused_norm": advice.fused_norm,
+        "fused_mlp": advice.fused_mlp,
         "offload_host_bytes": advice.offload_host_bytes * devices,
         "host_pinned_bytes": host_arena_bytes + advice.offload_host_bytes * devices,
         # `trainer.strategy.init_args` and `model.init_args` of a config (configs/*.yaml).
@@ -78,6 +90,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
         ("MLP", _mlp_text(report["mlp_tile_tokens"], report["tokens"])),
         ("attention", _attention_text(report.get("attention_tile_tokens"), report["tokens"])),
+        *_kernels_rows(report),
         ("host RAM, pinned arena", format_gb(report["host_arena_bytes"])),
         ("host RAM, offloaded layer inputs", format_gb(report["offload_host_bytes"]) + " pinned"),
         ("host RAM, pinned in all", format_gb(report["host_pinned_bytes"])),
@@ -124,6 +137,13 @@ def _devices_text(report: dict[str, Any]) -> str:
         f"{devices} GPUs, one data-parallel rank each: VRAM figures are per GPU; host RAM is the machine's (one"
         f" shared arena, {devices} ranks' offloaded inputs and embedding tables)"
     )
+
+
+def _kernels_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the plan counts of Liger's kernels and why; none under ``--kernels none`` (the report before the option)."""
+    if report.get("kernels_option", "none") == "none":
+        return []
+    return [("kernels", report["kernels_reason"])]
 
 
 def _bucket_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
@@ -233,6 +253,15 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
             (
                 f"{card}, MLP",
                 f"use tile_mlps(model, {tile}) / CausalLMFineTune(mlp_tile_tokens={tile})" + why,
+            )
+        )
+    kernels = advice["model_settings"].get("kernels")
+    if kernels is not None:
+        rows.append(
+            (
+                f"{card}, kernels",
+                f"use CausalLMFineTune(kernels={kernels!r}): the plan counts Liger-Kernel's RMSNorm, and 'auto' goes on"
+                " without it where Liger-Kernel is not installed",
             )
         )
     return rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_blockwise.cli.plan_longest import ContextFit, Machine
+from lightning_blockwise.cli.plan_render import kernels_setting
 from lightning_blockwise.planning import format_gb
 
 #: What each memory's name means where a length does not fit.
@@ -31,6 +32,8 @@ def settings(fit: ContextFit) -> dict[str, dict[str, Any]]:
         for name, value in (
             ("loss_chunk_tokens", advice.loss_chunk_tokens),
             ("mlp_tile_tokens", advice.mlp_tile_tokens),
+            ("attention_tile_tokens", advice.attention_tile_tokens),
+            ("kernels", kernels_setting(advice)),
         )
         if value is not None
     }
@@ -91,6 +94,9 @@ def fit_fields(fit: ContextFit | None) -> dict[str, Any] | None:
         "offload_activations": advice.offload_activations,
         "loss_chunk_tokens": advice.loss_chunk_tokens,
         "mlp_tile_tokens": advice.mlp_tile_tokens,
+        "attention_tile_tokens": advice.attention_tile_tokens,
+        "fused_norm": advice.fused_norm,
+        "fused_mlp": advice.fused_mlp,
         "host_pinned_bytes": fit.pinned_bytes,
         "host_bytes": fit.host_bytes,
     }

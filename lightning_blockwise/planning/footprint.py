@@ -28,6 +28,16 @@ def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
     return tensor_offsets(tensor_bytes, alignment)[-1]
 
 
+def fused_mlp_of(fused_mlp: bool, mlp_tile_tokens: int | None) -> bool:
+    """Whether the MLPs compute with a fused gated activation: asked for, and the MLPs untiled.
+
+    ``CausalLMFineTune`` installs Liger's SwiGLU only on untiled MLPs: with ``mlp_tile_tokens`` the tiles keep the
+    MLP's own forward and Liger gives its RMSNorm and RoPE alone (``install_kernels(mlp_tiled=True)`` in
+    recipes/kernel_choice.py), so a plan that chooses the tile drops the fused activation with it.
+    """
+    return fused_mlp and mlp_tile_tokens is None
+
+
 @dataclass(frozen=True)
 class ModelSizes:
     """A model's bytes as a blockwise run places them, computed from its config.
@@ -86,6 +96,8 @@ class ModelSizes:
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
         attention_tile_tokens: int | None = None,
+        fused_norm: bool = False,
+        fused_mlp: bool = False,
     ) -> StepShape:
         """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
 
@@ -95,6 +107,8 @@ class ModelSizes:
             loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
+            fused_norm: The RMSNorms run Liger's kernel (``StepShape.fused_norm``).
+            fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
         """
         return StepShape.for_config(
             self.config,
@@ -105,6 +119,8 @@ class ModelSizes:
             loss_chunk_tokens=loss_chunk_tokens,
             mlp_tile_tokens=mlp_tile_tokens,
             attention_tile_tokens=attention_tile_tokens,
+            fused_norm=fused_norm,
+            fused_mlp=fused_mlp_of(fused_mlp, mlp_tile_tokens),
         )
 
     def step_budget(
@@ -119,6 +135,8 @@ class ModelSizes:
         keep_activations: bool = True,
         window: int = 1,
         attention_tile_tokens: int | None = None,
+        fused_norm: bool = False,
+        fused_mlp: bool = False,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
 
@@ -137,6 +155,8 @@ class ModelSizes:
             window: ``accumulate_grad_batches`` with block-major accumulation (its workers' cuBLAS workspaces and
                 micro-batches' saved inputs count), else 1.
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
+            fused_norm: The RMSNorms run Liger's kernel (what ``StepBudget.for_module`` reads from a model with it).
+            fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
 
         Raises:
             ValueError: If ``block_size`` is out of range.
@@ -160,6 +180,8 @@ class ModelSizes:
             keep_activations=keep_activations,
             window=window,
             attention_tile_tokens=attention_tile_tokens,
+            fused_norm=fused_norm,
+            fused_mlp=fused_mlp_of(fused_mlp, mlp_tile_tokens),
         )
 
     def residency(
@@ -173,6 +195,8 @@ class ModelSizes:
         mlp_tile_tokens: int | None = None,
         keep_activations: bool = True,
         attention_tile_tokens: int | None = None,
+        fused_norm: bool = False,
+        fused_mlp: bool = False,
     ) -> ResidencyPlan:
         """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
 
@@ -186,15 +210,18 @@ class ModelSizes:
             mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
             keep_activations: The strategy's ``keep_activations``.
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
+            fused_norm: The RMSNorms run Liger's kernel.
+            fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
 
         Raises:
             ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
         """
         budgeted = self.step_budget(
             block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
-            keep_activations=keep_activations, attention_tile_tokens=attention_tile_tokens,
+            keep_activations=keep_activations, attention_tile_tokens=attention_tile_tokens, fused_norm=fused_norm,
+            fused_mlp=fused_mlp,
         )  # fmt: skip
         return budgeted.plan(tokens).residency
 
 
-__all__ = ["ModelSizes", "slab_bytes"]
+__all__ = ["ModelSizes", "fused_mlp_of", "slab_bytes"]

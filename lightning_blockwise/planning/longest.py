@@ -37,7 +37,11 @@ DEFAULT_TFLOPS = 150.0
 # costs 2 x tokens^2 x (heads x head size) per layer (QK^T and PV, half of the square), its backward 2.5
 # forwards: 9 x tokens^2 x size x layers for the step. A second-level recompute (every k-th layer's
 # input kept, the layers between recomputed once more) runs a third forward: 8 and 11. A tiled MLP and
-# the chunked loss recompute their matmuls in their backward: 2 x their params x tokens more.
+# the chunked loss recompute their matmuls in their backward: 2 x their params x tokens more. Tiled
+# attention (NOTE [ Tiled attention ] in longcontext/attention.py) runs each tile's forward again in
+# its backward, in every layer, kept ones included: one attention forward more, 2 x tokens^2 x size
+# per layer (the tiles' causal prefixes add up to the one causal square), where the sequence is
+# longer than one tile (within one it runs untiled).
 # Layers that keep their activations under a budget (NOTE [ Kept activations ] in planning/memory.py)
 # run as in resident training, one forward: neither the recompute nor a second-level one, so theirs
 # are taken off (2 x their params x tokens and 2 x tokens^2 x size for each forward they skip).
@@ -64,6 +68,8 @@ class StepCost:
         kept_layers: Decoder layers that keep their autograd graphs from the forward to the backward: they run
             one forward per step, not :attr:`forwards`.
         kept_params: Weights of those layers' matmuls.
+        tiled_attention: Attention runs in query tiles, each tile's forward run again in its backward: one attention
+            forward more per layer and step, kept layers included.
     """
 
     matmul_params: int
@@ -75,6 +81,7 @@ class StepCost:
     recompute_every: int | None = None
     kept_layers: int = 0
     kept_params: int = 0
+    tiled_attention: bool = False
 
     @property
     def forwards(self) -> int:
@@ -92,6 +99,7 @@ class StepCost:
         params = (2 * self.forwards + 2) * self.matmul_params - 2 * skipped * self.kept_params
         matmuls = (params + 2 * self.recomputed_params) * tokens
         layers = (2 * self.forwards + 5) * self.num_layers - 2 * skipped * self.kept_layers
+        layers += 2 * self.num_layers * self.tiled_attention
         attention = layers * tokens**2 * self.attention_size
         return float(matmuls + attention)
 

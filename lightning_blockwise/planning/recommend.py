@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.longcontext.tiling import DEFAULT_TILE_TOKENS
 from lightning_blockwise.planning import ResidencyPlan
+from lightning_blockwise.planning.footprint import fused_mlp_of
 
 if TYPE_CHECKING:
     # Only for annotations (the sizes of a model, a floor below `sizing`, which re-exports this module's names).
@@ -54,6 +55,9 @@ class Recommendation:
         attention_tile_tokens: Queries per tile of the module's attention, as given
             (:func:`~lightning_blockwise.longcontext.attention.tile_attention`; never chosen here); ``None``: untiled.
         offload_host_bytes: Host bytes the offloaded layer inputs take (0 with offload off).
+        fused_norm: The plan counts Liger's RMSNorm, as given (``StepShape.fused_norm``).
+        fused_mlp: The plan counts Liger's fused gated activation: given, and the MLPs untiled (``fused_mlp_of`` in
+            planning/footprint.py).
     """
 
     gpu_memory: int
@@ -66,6 +70,8 @@ class Recommendation:
     mlp_tile_tokens: int | None = None
     offload_host_bytes: int = 0
     attention_tile_tokens: int | None = None
+    fused_norm: bool = False
+    fused_mlp: bool = False
 
 
 #: The smallest card a plan is made for: the CUDA context's reserve and one step of budget.
@@ -96,6 +102,8 @@ def recommend(
     loss_chunk_tokens: int | None = None,
     mlp_tile_tokens: int | None = None,
     attention_tile_tokens: int | None = None,
+    fused_norm: bool = False,
+    fused_mlp: bool = False,
 ) -> Recommendation:
     """The ``vram_budget``, ``block_size``, offload, loss and MLP tiling for a card of ``gpu_memory`` bytes.
 
@@ -121,6 +129,10 @@ def recommend(
             chunked loss where nothing else fits.
         mlp_tile_tokens: The tile of the module's tiled MLPs; ``None``: untiled, or tiled where nothing else fits.
         attention_tile_tokens: The tile of the module's tiled attention, planned for as given; ``None``: untiled.
+        fused_norm: The RMSNorms run Liger's kernel (``CausalLMFineTune(kernels="liger")``, or ``"auto"`` on CUDA
+            with Liger-Kernel installed): planned for as given.
+        fused_mlp: The MLPs run Liger's fused gated activation where they are untiled: counted for the settings
+            without an MLP tile only, as ``CausalLMFineTune`` installs it.
 
     Raises:
         ValueError: If the card leaves no budget once the CUDA context is on it (:func:`check_card`).
@@ -145,8 +157,9 @@ def recommend(
         options.append((offloads[-1], chunks[-1], RECOMMENDED_MLP_TILE_TOKENS))
     for offload_inputs, chunk, tile in options:
         advice = _recommend_blocks(
-            sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile, attention_tile_tokens
-        )
+            sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile, attention_tile_tokens,
+            fused_norm, fused_mlp,
+        )  # fmt: skip
         if advice.plan is not None:
             return advice
     return advice
@@ -162,13 +175,16 @@ def _recommend_blocks(
     loss_chunk_tokens: int | None,
     mlp_tile_tokens: int | None,
     attention_tile_tokens: int | None = None,
+    fused_norm: bool = False,
+    fused_mlp: bool = False,
 ) -> Recommendation:
     """:func:`recommend`'s choice of ``block_size`` for one setting of offload, loss and MLP tiling."""
+    kernels = {"fused_norm": fused_norm, "fused_mlp": fused_mlp_of(fused_mlp, mlp_tile_tokens)}
 
     def residency(block_size: int, budget: int | None = None) -> ResidencyPlan:
         return sizes.residency(
             tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
-            attention_tile_tokens=attention_tile_tokens,
+            attention_tile_tokens=attention_tile_tokens, **kernels,
         )  # fmt: skip
 
     shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens, attention_tile_tokens)
@@ -178,6 +194,7 @@ def _recommend_blocks(
         "mlp_tile_tokens": mlp_tile_tokens,
         "offload_host_bytes": shape.offloaded_host_bytes(),
         "attention_tile_tokens": attention_tile_tokens,
+        **kernels,
     }
     minimum = residency(1).minimum
     streamed: dict[int, tuple[int, ResidencyPlan]] = {}

@@ -25,6 +25,9 @@ from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import CONFIGS, TARGETS, build_model, moe_config
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The model's own layers: the answers of plan before --kernels, whatever is installed (NOTE [ The kernels plan
+#: counts ] in cli/plan_arguments.py; the default, auto, counts Liger's kernels where Liger-Kernel is installed).
+OWN = ("--kernels", "none")
 
 #: The benchmark's shapes (benchmarks/step_benchmark.py) and their measured blockwise:1:2 peaks (RESULTS.md).
 QWEN25 = {
@@ -160,7 +163,7 @@ def test_plan_refuses_a_card_the_cuda_context_fills(card: str, capsys: pytest.Ca
 
 def test_plan_from_config_json_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _tiny_llama().save_pretrained(tmp_path)
-    args = ["--seq-len", "12", "--lora-rank", "4", "--dtype", "float32", "--gpu-memory", "8GiB", "--json"]
+    args = ["--seq-len", "12", "--lora-rank", "4", "--dtype", "float32", "--gpu-memory", "8GiB", "--json", *OWN]
     main(["plan", str(tmp_path / "config.json"), *args])
     report = json.loads(capsys.readouterr().out)
     assert report["model_type"] == "llama" and report["num_layers"] == 4
@@ -385,7 +388,7 @@ def test_plan_json_and_table_carry_the_long_context_options(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _qwen25("32b").save_pretrained(tmp_path)
-    report = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--gpu-memory", "24GiB")
+    report = _plan_json(tmp_path, capsys, "--seq-len", "16384", "--gpu-memory", "24GiB", *OWN)
     # Automatic offload plans for the card (as the strategy does without a budget): too big without it.
     assert report["offload_activations_option"] == "auto" and report["offload_activations"]
     assert report["offload_host_bytes"] == 64 * 16384 * 5120 * 2
@@ -401,7 +404,7 @@ def test_plan_json_and_table_carry_the_long_context_options(
     assert chunked["predicted_peak_bytes"] < report["predicted_peak_bytes"]
 
     monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table
-    main(["plan", str(tmp_path), "--seq-len", "16384", "--gpu-memory", "24GiB"])
+    main(["plan", str(tmp_path), "--seq-len", "16384", "--gpu-memory", "24GiB", *OWN])
     out = capsys.readouterr().out
     assert "vram_budget: 23.0GiB, block_size: 2, offload_activations: true: predicted peak" in out
     assert "use chunked_causal_lm_loss(..., chunk_tokens=1024) / CausalLMFineTune(loss_chunk_tokens=1024)" in out
@@ -419,7 +422,7 @@ def _qwen25_72b() -> transformers.Qwen2Config:
 def test_mlp_tiling_lowers_the_peak_as_the_step_shape_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _qwen25("7b").save_pretrained(tmp_path)
     # The chunked loss and offload fixed, so that one layer's backward, not the logits, sets the peak.
-    fixed = ("--seq-len", "16384", "--loss-chunk-tokens", "1024", "--offload-activations", "on")
+    fixed = ("--seq-len", "16384", "--loss-chunk-tokens", "1024", "--offload-activations", "on", *OWN)
     untiled = _plan_json(tmp_path, capsys, *fixed)
     tiled = _plan_json(tmp_path, capsys, *fixed, "--mlp-tile-tokens", "4096")
     assert (untiled["mlp_tile_tokens"], tiled["mlp_tile_tokens"]) == (None, 4096)
@@ -440,7 +443,7 @@ def test_mlp_tiling_lowers_the_peak_as_the_step_shape_says(tmp_path: Path, capsy
     # Control arms: a tile of every token is no tiling; and under Hugging Face's loss the logits (29.9 GB), not a
     # layer's backward, set the peak, so tiling lowers nothing there.
     assert _plan_json(tmp_path, capsys, *fixed, "--mlp-tile-tokens", "16384") == {**untiled, "mlp_tile_tokens": 16384}
-    logits_bound = ("--seq-len", "16384", "--offload-activations", "on")
+    logits_bound = ("--seq-len", "16384", "--offload-activations", "on", *OWN)
     assert (
         _plan_json(tmp_path, capsys, *logits_bound, "--mlp-tile-tokens", "4096")["predicted_peak_bytes"]
         == _plan_json(tmp_path, capsys, *logits_bound)["predicted_peak_bytes"]
@@ -453,7 +456,9 @@ def test_attention_tiling_is_planned_and_reported_but_leaves_the_norm_bound_peak
     _qwen25("7b").save_pretrained(tmp_path)
     # Offload, chunked loss and tiled MLP: one layer's backward sets the peak, at the norm's (NOTE [ A layer's
     # backward peak ]), which Hugging Face's RMSNorm keeps above attention's even untiled.
-    fixed = ("--seq-len", "65536", "--loss-chunk-tokens", "1024", "--mlp-tile-tokens", "4096", "--gpu-memory", "24GiB")
+    fixed = (
+        "--seq-len", "65536", "--loss-chunk-tokens", "1024", "--mlp-tile-tokens", "4096", "--gpu-memory", "24GiB", *OWN
+    )  # fmt: skip
     untiled = _plan_json(tmp_path, capsys, *fixed)
     tiled = _plan_json(tmp_path, capsys, *fixed, "--attention-tile-tokens", "16384")
     assert (untiled["attention_tile_tokens"], tiled["attention_tile_tokens"]) == (None, 16384)
@@ -469,8 +474,10 @@ def test_attention_tiling_is_planned_and_reported_but_leaves_the_norm_bound_peak
     monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table
     main(["plan", str(tmp_path), "--seq-len", "65536", "--attention-tile-tokens", "16384"])
     assert re.search(r"attention\W+tiled: each layer's attention on 16384 queries at a time", capsys.readouterr().out)
-    with pytest.raises(SystemExit, match="--longest does not take --attention-tile-tokens"):
-        main(["plan", str(tmp_path), "--longest", "--card", "24GiB", "--attention-tile-tokens", "16384"])
+    # --longest takes the tile too (it refused it before), and its settings to paste carry it.
+    main(["plan", str(tmp_path), "--longest", "--card", "24GiB", "--host-ram", "128GiB", "--attention-tile-tokens",
+          "16384", *OWN])  # fmt: skip
+    assert "attention_tile_tokens=16384)" in capsys.readouterr().out
 
 
 def test_recommendation_tiles_the_mlp_last() -> None:
@@ -506,7 +513,7 @@ def test_plan_json_and_table_carry_the_tiled_mlp(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _qwen25_72b().save_pretrained(tmp_path)
-    report = _plan_json(tmp_path, capsys, "--seq-len", "32768", "--gpu-memory", "24GiB")
+    report = _plan_json(tmp_path, capsys, "--seq-len", "32768", "--gpu-memory", "24GiB", *OWN)
     assert report["mlp_tile_tokens"] is None
     advice = report["recommendation"]
     assert advice["fits"] and (advice["loss_chunk_tokens"], advice["mlp_tile_tokens"]) == (1024, 4096)
@@ -514,7 +521,7 @@ def test_plan_json_and_table_carry_the_tiled_mlp(
     assert advice["model_settings"] == {"loss_chunk_tokens": 1024, "mlp_tile_tokens": 4096}
 
     monkeypatch.setenv("COLUMNS", "400")  # one row per line in rich's table
-    main(["plan", str(tmp_path), "--seq-len", "32768", "--gpu-memory", "24GiB"])
+    main(["plan", str(tmp_path), "--seq-len", "32768", "--gpu-memory", "24GiB", *OWN])
     out = capsys.readouterr().out
     assert re.search(r"MLP\W+untiled: each layer's MLP on all 32768 tokens at once", out)
     assert re.search(

@@ -78,6 +78,19 @@ def test_kept_layers_run_one_forward_not_two() -> None:
     assert twice.flops(4) - replace(twice, kept_layers=1, kept_params=400).flops(4) == 2 * (2 * 400 * 4 + 2 * 16 * 10)
 
 
+def test_tiled_attention_runs_one_attention_forward_more() -> None:
+    """Each tile's forward runs again in its backward (NOTE [ Expected step time ]), kept layers included."""
+    plain = StepCost(matmul_params=1000, num_layers=2, attention_size=10, arena_bytes=500)
+    tiled = replace(plain, tiled_attention=True)
+    # 2 x 4^2 x 10 per layer: 9 + 2 = 11 x tokens^2 x size x layers (control: the untiled step's 9).
+    assert tiled.flops(4) - plain.flops(4) == 2 * 16 * 10 * 2
+    assert tiled.flops(4) == 6 * 1000 * 4 + 11 * 16 * 10 * 2
+    # A kept layer skips the recompute, not the tiles' own: the difference is the same with every layer kept.
+    kept = replace(plain, kept_layers=2, kept_params=1000)
+    assert replace(kept, tiled_attention=True).flops(4) - kept.flops(4) == 2 * 16 * 10 * 2
+    assert tiled.link_bytes() == plain.link_bytes()
+
+
 @pytest.mark.parametrize(("tflops", "link"), [(0, 25), (150, 0), (-1, 25), (float("nan"), 25)])
 def test_step_time_refuses_rates_that_are_not_positive(tflops: float, link: float) -> None:
     cost = StepCost(matmul_params=1, num_layers=1, attention_size=1, arena_bytes=1)
