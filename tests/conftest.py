@@ -54,6 +54,17 @@ def small_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_no_attention_dropout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' tiny Llama without attention dropout (which tiled attention refuses), saved."""
+    path = tmp_path_factory.mktemp("llama_no_attention_dropout")
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.attention_dropout = 0.0
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tests' tiny Llama (``CONFIGS["llama"]``) with eight layers, saved: room for every kind of block."""
     path = tmp_path_factory.mktemp("llama8")

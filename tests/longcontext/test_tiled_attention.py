@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 
@@ -26,7 +25,6 @@ from lightning_blockwise.longcontext.attention import (
     untile_attention,
 )
 from tests.helpers.models import (
-    CONFIGS,
     NUM_LAYERS,
     SEQ,
     VOCAB,
@@ -270,25 +268,14 @@ class _TiledModule(CausalLMModule):
         tile_attention(self.model, self.attention_tile_tokens)
 
 
-@pytest.fixture(scope="module")
-def nf4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tests' tiny Llama without attention dropout, saved for the NF4 (`from_pretrained`) path."""
-    path = tmp_path_factory.mktemp("llama_no_attention_dropout")
-    torch.manual_seed(0)
-    config = CONFIGS["llama"]()
-    config.attention_dropout = 0.0
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("base", ["fp32", "nf4"])
 def test_tiled_module_blockwise_equals_resident(
-    base: str, nf4_checkpoint: Path, tile_calls: list[tuple[int, int]]
+    base: str, llama_no_attention_dropout: Path, tile_calls: list[tuple[int, int]]
 ) -> None:
     def build() -> nn.Module:
         # LoRA dropout on: the recompute replays its masks, the tiles draw nothing.
         if base == "nf4":
-            return build_model("llama", checkpoint=nf4_checkpoint, quantized=True, lora_dropout=0.1)
+            return build_model("llama", checkpoint=llama_no_attention_dropout, quantized=True, lora_dropout=0.1)
         return _model(lora_dropout=0.1)
 
     batches = _batches(MICRO_BATCHES)

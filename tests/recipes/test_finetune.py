@@ -298,26 +298,15 @@ def test_long_context_module_blockwise_equals_resident(checkpoints: dict[str, Pa
         assert torch.allclose(other, resident, rtol=1e-4) and not torch.equal(other, resident), f"{kept}: {other}"
 
 
-@pytest.fixture(scope="module")
-def no_attention_dropout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tests' tiny Llama without attention dropout (which tiled attention refuses), saved."""
-    path = tmp_path_factory.mktemp("llama_no_attention_dropout")
-    torch.manual_seed(0)
-    config = MODEL_CONFIGS["llama"]()
-    config.attention_dropout = 0.0
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
 def test_attention_tiles_are_planned_for_applied_and_trained_exactly(
-    no_attention_dropout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama_no_attention_dropout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[CausalLMFineTune] = []
     on_fit_start = CausalLMFineTune.on_fit_start
     monkeypatch.setattr(CausalLMFineTune, "on_fit_start", lambda self: (built.append(self), on_fit_start(self)))
 
     def run(strategy: object, name: str, **options: Any) -> list[Tensor]:
-        losses = _long_context_run(no_attention_dropout, strategy, tmp_path / name, **options)
+        losses = _long_context_run(llama_no_attention_dropout, strategy, tmp_path / name, **options)
         return [losses, *(p.detach().clone() for p in built[-1].parameters() if p.requires_grad)]
 
     # Rows of 12 tokens in attention tiles of 5 queries; with the MLP tiled too (the two tilings are independent).
