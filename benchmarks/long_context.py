@@ -10,6 +10,8 @@ projections, bf16-mixed, batch 1, AdamW, trained through `Trainer.fit`. Arms (na
 - `+chunked`: the module's loss is `chunked_causal_lm_loss(chunk_tokens=1024)` instead of Hugging Face's;
 - `+tiled`: the module tiles its MLPs (`tile_mlps(model, 4096)`);
 - `+tiledattn`: the module tiles its attention (`tile_attention(model, 16384)`: 16384 queries at a time);
+- `+k2`: `input_checkpoint_every=2` (one layer input kept in two, the other layer replayed from it in the backward:
+  half the layer inputs' memory, a third forward of every other layer);
 - `+liger`: Liger-Kernel's RMSNorm, RoPE and SwiGLU (`use_liger_kernels(model)`, taken off after the arm); with
   `+tiled` the MLPs keep the tiled forward and Liger's RMSNorm and RoPE go on (`swiglu=False`).
 
@@ -145,7 +147,10 @@ def run_arm(
     elif parts[0] == "resident":
         strategy = "auto"
     else:
-        strategy = BlockwiseStrategy(offload_activations="offload" in parts, vram_budget=budget)
+        every = 2 if "k2" in parts else None
+        strategy = BlockwiseStrategy(
+            offload_activations="offload" in parts, vram_budget=budget, input_checkpoint_every=every
+        )
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (warmup + steps, 1, seq), generator=gen)
     batches = [{"input_ids": ids, "labels": ids} for ids in tokens]
@@ -177,6 +182,8 @@ def run_arm(
         row["host_pinned_gb"] = ((copy.arena.nbytes if copy else 0) + meter.offload_host_bytes) / 1e9
         row["predicted_peak_gb"] = strategy.step_plan.residency.predicted_peak / 1e9
         row["offload"] = strategy.step_plan.offload
+        row["input_checkpoint_every"] = strategy.step_plan.shape.checkpoint_every
+        row["over_card"] = strategy.step_plan.over_card
         row["resident_blocks"] = len(strategy.step_plan.residency.resident)
         row["predicted_reserved_gb"] = strategy.step_plan.residency.predicted_reserved / 1e9
     if parts[0] == "resident_ckpt":

@@ -33,7 +33,8 @@ timeout or a crash. s/step is the median of 5 timed steps after 2 warm-up steps 
 1 beyond (``--steps N``: N everywhere); each row says which. tokens/s counts a step's tokens, the padding of a
 ``rows:`` batch's shorter row included (``step_tokens_mean``). ``--cap-gib`` caps the allocator in every arm's
 process from its start (``torch.cuda.set_per_process_memory_fraction``). ``--equal-memory`` runs Unsloth first and
-adds ``ours+liger+budget=unsloth``: at each random point, a ``vram_budget`` of Unsloth's peak reserved bytes there.
+adds ``ours+liger+fused+budget=unsloth`` (the fast switches on): at each random point, a
+``vram_budget`` of Unsloth's peak reserved bytes there.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="+", type=parse_arm, default=[parse_arm(a) for a in DEFAULT_ARMS])
     parser.add_argument("--cap-gib", type=float, default=None, help="cap the allocator from each process's start")
     parser.add_argument("--steps", type=int, default=None, help="timed steps at every point (default: 5, 3 >16k)")
-    parser.add_argument("--equal-memory", action="store_true", help="add ours+liger+budget=unsloth")
+    parser.add_argument("--equal-memory", action="store_true", help="add ours+liger+fused+budget=unsloth")
     parser.add_argument("--equal-memory-peak", choices=["reserved", "allocated"], default="reserved")
     parser.add_argument("--arm-timeout", type=float, default=3600.0, help="seconds per arm's process")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tests' tiny runs")
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cap_gib is not None and args.device == "cpu":
         parser.error(f"--cap-gib {args.cap_gib} caps the CUDA allocator; leave it out with --device cpu.")
     if args.equal_memory and not any(a.budget == UNSLOTH_BUDGET for a in args.arms):
-        args.arms.append(parse_arm(f"ours+liger+budget={UNSLOTH_BUDGET}"))
+        args.arms.append(parse_arm(f"ours+liger+fused+budget={UNSLOTH_BUDGET}"))
     if any(a.budget == UNSLOTH_BUDGET for a in args.arms) and not any(a.name == "unsloth" for a in args.arms):
         parser.error("budget=unsloth (--equal-memory) needs the unsloth arm in --arms: its peaks are the budgets.")
     args.work.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[s
         "peft": "HF gradient checkpointing, use_reentrant=False",
     }[arm.system]
     settings["loss"] = arm.loss
+    settings["mode"] = "deterministic" if "det" in arm.options else "default"
     return model, settings
 
 
@@ -184,6 +186,7 @@ def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace
             accelerator=device.type if device.type == "cpu" else "gpu", devices=1, strategy=strategy,
             precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+            deterministic="det" in arm.options,
         )  # fmt: skip
         tile = arm.options.get("tiled")
         tile = None if tile is None else TILE_TOKENS if tile is True else int(tile)
@@ -197,7 +200,8 @@ def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace
     plan = getattr(strategy, "step_plan", None)
     if plan is not None:
         row.update(predicted_peak_gb=plan.residency.predicted_peak / measure.GB, offload=plan.offload,
-                   resident_blocks=len(plan.residency.resident))  # fmt: skip
+                   resident_blocks=len(plan.residency.resident), kept_blocks=len(plan.residency.kept),
+                   input_checkpoint_every=plan.shape.checkpoint_every)  # fmt: skip
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -218,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.arm.system == "unsloth":
         parser.error("--arm unsloth runs in benchmarks.peer_arms.unsloth_arm, not here.")
     args.budgets = dict(item.split("=", 1) for item in args.budget_for)
+    if "det" in args.arm.options:  # before the first cuBLAS handle: deterministic GEMMs need a fixed workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     head: dict[str, Any] = {"system": SYSTEM_NAMES[args.arm.system], "arm": args.arm.name, "shape": args.shape}
     head["settings"] = measure.cap_allocator(device, args.cap_gib)

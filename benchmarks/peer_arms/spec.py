@@ -16,9 +16,9 @@ SYSTEM_NAMES = {"ours": "lightning-blockwise", "resident": "lightning-blockwise"
                 "unsloth": "unsloth"}  # fmt: skip
 #: Options each system takes; ``name`` alone is a flag, ``name=value`` a value.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "ours": ("liger", "fused", "budget", "offload", "chunked", "tiled", "hfloss"),
-    "resident": ("liger", "fused", "chunked", "tiled", "hfloss"),
-    "peft": ("liger", "fused", "chunked", "tiled", "hfloss"),
+    "ours": ("liger", "fused", "budget", "offload", "chunked", "tiled", "hfloss", "det"),
+    "resident": ("liger", "fused", "chunked", "tiled", "hfloss", "det"),
+    "peft": ("liger", "fused", "chunked", "tiled", "hfloss", "det"),
     "unsloth": ("gc",),
 }
 #: What each option does, for the help text and the refusals.
@@ -30,6 +30,7 @@ OPTION_HELP = {
     "chunked": "chunked_causal_lm_loss(chunk_tokens=VALUE or 1024): the default loss of every arm but unsloth",
     "tiled": "tile_mlps(model, VALUE or 4096)",
     "hfloss": "Hugging Face's loss (model(**batch).loss) instead of the chunked one",
+    "det": "deterministic mode: Trainer(deterministic=True), CUBLAS_WORKSPACE_CONFIG=:4096:8",
     "gc": "Unsloth's use_gradient_checkpointing: unsloth (its default), true or false",
 }
 #: The chunked loss's rows of logits at a time and the MLP tile, as benchmarks/long_context.py uses them.
@@ -95,7 +96,7 @@ def parse_arm(name: str) -> Arm:
             raise ValueError(f"arm {name!r}: {key} needs a value ({OPTION_HELP[key]}), e.g. {key}=...")
         if key in ("chunked", "tiled") and value and not value.isdigit():
             raise ValueError(f"arm {name!r}: {key}={value!r} must be a whole number of tokens.")
-        if key in ("liger", "fused", "offload", "hfloss") and value:
+        if key in ("liger", "fused", "offload", "hfloss", "det") and value:
             raise ValueError(f"arm {name!r}: {key} is a flag and takes no value (got {key}={value!r}).")
         if key == "gc" and value not in ("unsloth", "true", "false"):
             raise ValueError(f"arm {name!r}: gc={value!r} must be unsloth, true or false.")

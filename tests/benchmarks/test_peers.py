@@ -31,6 +31,11 @@ def test_an_arm_is_a_system_and_its_options() -> None:
         parse_arm("ours+budget")
     with pytest.raises(ValueError, match=r"hfloss and chunked are two losses"):
         parse_arm("ours+hfloss+chunked")
+    assert parse_arm("resident+liger+det").options == {"liger": True, "det": True}
+    with pytest.raises(ValueError, match=r"det is a flag and takes no value"):
+        parse_arm("ours+det=1")
+    with pytest.raises(ValueError, match=r"unsloth takes no option 'det'"):
+        parse_arm("unsloth+det")
 
 
 def test_points_run_shortest_first_with_fewer_steps_beyond_16k() -> None:
@@ -149,10 +154,10 @@ def test_equal_memory_gives_ours_unsloths_peak(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(peers, "unsloth_skip", lambda args: None)
     peers.main(_args(tmp_path, "--tokens", "64", "32", "--rows", "64x2", "--arms", "ours", "unsloth",
                      "--equal-memory"))  # fmt: skip
-    assert list(calls) == ["unsloth", "ours", "ours+liger+budget=unsloth"]  # Unsloth first
-    assert calls["ours+liger+budget=unsloth"] == (["random:32x1"], {"random:32x1": 1_500_000_000})
+    assert list(calls) == ["unsloth", "ours", "ours+liger+fused+budget=unsloth"]  # Unsloth first
+    assert calls["ours+liger+fused+budget=unsloth"] == (["random:32x1"], {"random:32x1": 1_500_000_000})
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    skipped = {r["point"] for r in rows if r["arm"] == "ours+liger+budget=unsloth" and r["status"] == "skipped"}
+    skipped = {r["point"] for r in rows if r["arm"] == "ours+liger+fused+budget=unsloth" and r["status"] == "skipped"}
     assert skipped == {"random:64x1", "rows:64x2"}
 
 
