@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
+from torch._dynamo.utils import counters
 
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise.architectures import find_decoder_stack
@@ -66,6 +67,7 @@ def build(shape: str, layers: int, options: set[str]) -> tuple[torch.nn.Module, 
         # A fresh dynamo for each variant: the layers share one forward code object, and its cache entries (per
         # layer, grad mode and variant) would pass the recompile limit, after which dynamo runs the layer eagerly.
         torch._dynamo.reset()
+        counters.clear()
         torch._dynamo.config.recompile_limit = 64
         for layer in find_decoder_stack(model, allow_unvalidated=True).layers:
             layer.compile(dynamic=False)
@@ -123,7 +125,7 @@ def measure(shape: str, layers: int, seq: int, variant: str, reps: int, warmup: 
         "nograd_ms_per_layer": nograd_s * 1e3, "train_ms_per_layer": train_s * 1e3,
         "recompute_ms_per_layer": (nograd_s + train_s) * 1e3,
         "nograd_equals_train": bool(torch.equal(out_nograd, out_train)),
-        "dynamo_counters": {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "graph_break")},
+        "dynamo_counters": {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")},
         "first_call_s": first_call_s, "build_s": first - start,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "device": torch.cuda.get_device_name(),
     }  # fmt: skip
