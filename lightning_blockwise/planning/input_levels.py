@@ -47,9 +47,21 @@ def card_inputs(layers: int, host_count: int, k: int | None) -> int:
         k: One layer input kept in ``k``; ``None``: every input kept.
     """
     kept = layers if k is None else -(-layers // k)
-    # A segment's backward holds the k inputs its replay made (NOTE [ Input checkpoints ] in replay/segments.py).
-    replayed = 0 if k is None else k
-    return kept - host_count + replayed + min(host_count, INPUTS_IN_FLIGHT)
+    in_flight = min(host_count, INPUTS_IN_FLIGHT)
+    if k is None:
+        replayed = 0
+    elif host_count < kept:
+        # A segment's backward holds the k inputs its replay made (NOTE [ Input checkpoints ] in
+        # replay/segments.py): with its checkpoint on the card one of them is a kept one, so this is one over.
+        replayed = k
+    else:
+        # Every checkpoint in host memory: a segment's top layer's backward holds the segment's k inputs (the
+        # checkpoint back from the host, the k - 1 replayed ones, the top one in use) and the next segment's
+        # checkpoint coming back, k + 1 in all, of which those in flight are counted already (the one in use, the
+        # next coming back, and one copied out, which in the backward none is). Measured on the H100: 72B at 64k
+        # and 96k tokens with k=2 peaked under the plan without checkpoints (results/h100_long_context_72b_*.jsonl).
+        replayed = max(0, k + 1 - in_flight)
+    return kept - host_count + replayed + in_flight
 
 
 def input_levels(

@@ -123,12 +123,16 @@ def test_a_tight_card_and_a_tight_host_keep_one_input_in_two(host_inputs: int) -
 
 
 def test_what_fits_no_way_is_refused_with_the_longest_length_that_fits() -> None:
-    """A card for 5 and a host for 2: nothing fits 256 tokens; the answer is the longest length that does."""
-    budget = _budget(budget=_made_up(5))
+    """A card for 4 and a host for 2: nothing fits 256 tokens; the answer is the longest length that does.
+
+    (A card for 5 would fit: k=4 with both checkpoints in host memory holds a segment's 4 and the next one coming
+    back, 5 inputs.)
+    """
+    budget = _budget(budget=_made_up(4))
     with pytest.raises(ValueError) as failure:
         budget.plan(TOKENS, host_bytes=2 * ONE)
     message = str(failure.value)
-    assert message.startswith(f"at {TOKENS} tokens per micro-batch the budget holds 5 layer inputs on the card")
+    assert message.startswith(f"at {TOKENS} tokens per micro-batch the budget holds 4 layer inputs on the card")
     longest = int(message.split("for the layer inputs is ")[1].split(" tokens")[0])
     assert 0 < longest < TOKENS and "raise `vram_budget`, free host memory" in message
     # That length fits the same budget and host memory, one token more does not (tokens under 1024: any length).
@@ -136,7 +140,7 @@ def test_what_fits_no_way_is_refused_with_the_longest_length_that_fits() -> None
     with pytest.raises(ValueError):
         budget.plan(longest + 1, host_bytes=2 * ONE)
     # Control: with host memory for every input the same budget splits them.
-    assert budget.plan(TOKENS, host_bytes=LAYERS * ONE).inputs.levels == (2, 6, None)
+    assert budget.plan(TOKENS, host_bytes=LAYERS * ONE).inputs.levels == (1, 7, None)
 
 
 def test_a_budget_under_the_step_without_its_inputs_is_refused_too() -> None:
@@ -167,14 +171,15 @@ def test_set_options_and_no_budget_decide_as_before() -> None:
 def test_the_cards_budget_that_fits_no_choice_gives_way_to_streaming() -> None:
     """NOTE [ The card as the default budget ]: streamed unbudgeted, saying why and the longest length that fits.
 
-    Host memory for 2 inputs cannot take all 8 the all-or-nothing offload would send there: one in 2 kept instead,
+    Host memory for 2 inputs cannot take all 8 the all-or-nothing offload would send there: one in 4 kept instead,
     and the warning says the host was the limit.
     """
-    plan = _budget(budget=_made_up(5), card=True).plan(TOKENS, host_bytes=2 * ONE)
+    plan = _budget(budget=_made_up(4), card=True).plan(TOKENS, host_bytes=2 * ONE)
     assert plan.over_card is not None and "The longest micro-batch that fits" in plan.over_card
     assert "Host memory was the limit too: " in plan.over_card and "holds 2 of the 8" in plan.over_card
-    assert plan.inputs is not None and plan.inputs.levels == InputLevels(4, 0, 2) and not plan.offload
-    assert plan.shape.checkpoint_every == 2 and plan.residency.resident == ()
+    # The fewest on the card: one in 4 kept, both checkpoints in host memory (a segment's 4 and the next coming back).
+    assert plan.inputs is not None and plan.inputs.levels == InputLevels(0, 2, 4) and plan.offload
+    assert plan.shape.checkpoint_every == 4 and plan.residency.resident == ()
     # Control: with host memory for every input, the card that holds too few gives way to offloading them all.
     roomy = _budget(budget=_made_up(3) - 1, card=True).plan(TOKENS, host_bytes=LAYERS * ONE)
     assert roomy.over_card is not None and "Host memory was the limit" not in roomy.over_card
@@ -233,19 +238,19 @@ def test_host_room_is_what_the_arenas_check_sees_less_its_reserve(monkeypatch: p
 
 
 def _planner(monkeypatch: pytest.MonkeyPatch, measured: int, own_slabs: int | None) -> StepPlanner:
-    """A planner of the card for 5 inputs whose host share is ``measured``, with ``own_slabs`` allocated (or none)."""
+    """A planner of the card for 4 inputs whose host share is ``measured``, with ``own_slabs`` allocated (or none)."""
     monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: measured)
-    planner = StepPlanner(_budget(budget=_made_up(5)), "`vram_budget`")
+    planner = StepPlanner(_budget(budget=_made_up(4)), "`vram_budget`")
     offload = None if own_slabs is None else SimpleNamespace(host_bytes=own_slabs)
     planner._layers = SimpleNamespace(offload=offload)  # type: ignore[assignment]
     return planner
 
 
 def test_a_replan_counts_this_ranks_own_slabs_as_host_room(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The slabs allocated now are freed before the new plan's: with them, the host holds the split of 6."""
+    """The slabs allocated now are freed before the new plan's: with them, the host holds the split of 7."""
     planner = _planner(monkeypatch, measured=2 * ONE, own_slabs=5 * ONE)
     assert planner.host_room() == 7 * ONE
-    assert planner._plan_for(TOKENS).inputs.levels == InputLevels(2, 6, None)
+    assert planner._plan_for(TOKENS).inputs.levels == InputLevels(1, 7, None)
     # Control: the same measured room without slabs of its own holds 2 inputs, and nothing fits.
     with pytest.raises(MisconfigurationException, match="the host memory 2:"):
         _planner(monkeypatch, measured=2 * ONE, own_slabs=None)._plan_for(TOKENS)
@@ -286,7 +291,7 @@ def test_every_rank_plans_from_the_least_host_room_and_the_longest_batch(monkeyp
     planner._layers = stack  # type: ignore[assignment]
     ranks.others, ranks.ops = [TOKENS, LAYERS * ONE], []
     assert planner.see_batch({"input_ids": torch.zeros(1, TOKENS // 4, dtype=torch.long)}) is not None
-    assert planner.plan.tokens == TOKENS and planner.plan.inputs.levels == InputLevels(2, 6, None)
+    assert planner.plan.tokens == TOKENS and planner.plan.inputs.levels == InputLevels(1, 7, None)
     assert ranks.ops == [torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN]
     # Control: every step agrees on its tokens, one all-reduce; no longer batch anywhere, no re-plan.
     ranks.others, ranks.ops = [TOKENS], []
