@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_blockwise.planning.footprint import ModelSizes
+from lightning_blockwise.planning.input_levels import INPUTS_IN_FLIGHT, card_inputs
 from lightning_blockwise.planning.longest import (
     DEFAULT_LINK_GBPS,
     DEFAULT_TFLOPS,
@@ -100,13 +101,16 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
     """Whether ``tokens`` tokens (batch 1) train on ``machine``, as its recommendation plans them.
 
     With a second-level recompute every ``k`` layers (``machine.recompute_every``, a planned option), only every
-    k-th layer's input is offloaded (host bytes / k) and the ``k - 1`` inputs recomputed between are counted on
-    the card, with the allocator's headroom.
+    k-th layer's input is offloaded (host bytes / k), and the ``k - 2`` inputs a segment's backward holds beyond
+    those the offload has in flight anyway are counted on the card, with the allocator's headroom (``card_inputs``
+    in planning/input_levels.py; at these lengths the recommendation offloads the inputs).
     """
     every = machine.recompute_every
     input_bytes = tokens * _text(sizes.config).hidden_size * sizes.activation_bytes
-    segment = 0 if not every else (every - 1) * input_bytes * (100 + ALLOCATOR_HEADROOM_PERCENT) // 100
-    # The k - 1 inputs a segment recomputes sit on the card beside the step: what is left of the card is planned for,
+    extra = 0 if not every else card_inputs(sizes.num_layers, -(-sizes.num_layers // every), every)
+    extra = max(0, extra - INPUTS_IN_FLIGHT)
+    segment = extra * input_bytes * (100 + ALLOCATOR_HEADROOM_PERCENT) // 100
+    # The inputs a segment's backward adds sit on the card beside the step: what is left of the card is planned for,
     # and where nothing usable is left the card binds (never a larger card than the one asked about).
     left = machine.card - segment
     advice = recommend(

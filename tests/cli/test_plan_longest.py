@@ -90,7 +90,7 @@ def test_a_second_level_recompute_divides_the_offloaded_host_bytes(sizes: dict[s
 
 
 def test_a_recompute_whose_kept_inputs_fill_the_card_binds_the_card(sizes: dict[str, ModelSizes]) -> None:
-    # 7 inputs of 512k x 3584 x 2 B (3.8 GB each, with the allocator's headroom) leave nothing of a 24 GiB card.
+    # k - 2 = 6 inputs of 512k x 3584 x 2 B (3.8 GB each, with the allocator's headroom) leave nothing of a 24 GiB card.
     seven = sizes["7b"]
     crowded = context_fit(seven, Machine(24 * GiB, 2048 * GiB, recompute_every=8), 512 * 1024)
     assert crowded.binds == ("card",) and crowded.time is None
@@ -288,3 +288,22 @@ def test_the_readme_table_is_the_commands_output(shape: str, capsys: pytest.Capt
     assert table in readme, (
         f"README.md's {shape} table is out of date; paste `lightning-blockwise {' '.join(README_TABLE)} {shape}`"
     )
+
+
+def test_one_input_in_two_offloaded_plans_the_card_as_every_input_offloaded(sizes: dict[str, ModelSizes]) -> None:
+    """The 72B run at 65,536 tokens with k=2 on a 22 GiB cap peaked at 19.33 GB, under the plan without k (20.92).
+
+    A segment of 2 holds its checkpoint and the replayed input, which the in-flight count covers (``card_inputs``);
+    control: k=4 counts 2 inputs more on the card, and the host holds half and a quarter of the inputs.
+    """
+    options = dict(loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384, fused_norm=True)
+    tokens = 61440
+    plain = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, **options), tokens)
+    every2 = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, recompute_every=2, **options), tokens)
+    every4 = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, recompute_every=4, **options), tokens)
+    assert plain.advice.plan is not None and every2.advice.plan is not None and not every2.binds
+    assert every2.advice.plan == plain.advice.plan and every2.advice.budget == plain.advice.budget
+    # k=4: the 2 more inputs leave a card too small for this length.
+    assert every4.advice.budget < plain.advice.budget and every4.binds == ("card",)
+    arena = sizes["72b"].host_bytes(plain.advice.block_size)
+    assert plain.pinned_bytes - arena == 2 * (every2.pinned_bytes - arena) == 4 * (every4.pinned_bytes - arena)
