@@ -22,7 +22,12 @@ from lightning_blockwise.export.adapter import check_export_target, export_adapt
 from lightning_blockwise.longcontext.attention import tile_attention
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
-from lightning_blockwise.recipes.finetune_model import add_adapters, check_adapter_dir, load_base
+from lightning_blockwise.recipes.finetune_model import (
+    add_adapters,
+    check_adapter_dir,
+    check_attention_tiles,
+    load_base,
+)
 from lightning_blockwise.recipes.kernel_choice import (
     check_fused_lora_adapter,
     check_kernels_device,
@@ -130,8 +135,9 @@ class CausalLMFineTune(pl.LightningModule):
             ``kernels`` names an unknown kernel, ``"liger"`` without Liger-Kernel installed, ``"fused_lora"`` with
             DoRA, or (when the model is built, before the base loads) ``adapter_path`` holds no
             ``adapter_config.json``, ``"fused_lora"`` is asked for a DoRA adapter directory, or ``"liger"``
-            for a device other than CUDA; (once the base is loaded) ``attention_tile_tokens`` for a model whose
-            attention is not sdpa or has dropout; (in a step) a packed batch with ``attention_tile_tokens``.
+            for a device other than CUDA; ``attention_tile_tokens`` with a config that has attention dropout or a data
+            module that packs (before the base loads), or (once it is loaded) a model whose attention is not sdpa;
+            (in a step) a packed batch with ``attention_tile_tokens``.
 
     Example::
 
@@ -212,6 +218,9 @@ class CausalLMFineTune(pl.LightningModule):
         # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
         device_type = None if strategy is None else strategy.root_device.type
         check_kernels_device(self._kernels, device_type)
+        if self.attention_tile_tokens is not None:
+            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            check_attention_tiles(hp.checkpoint, self.attention_tile_tokens, datamodule)
         base = load_base(hp.checkpoint, hp.loader, hp.compute_dtype, hp.quantize, hp.random_init, strategy)
         self.model = add_adapters(
             base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora

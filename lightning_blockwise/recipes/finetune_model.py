@@ -127,4 +127,39 @@ def _decoder_linears(model: torch.nn.Module, names: list[str] | None) -> str:
     return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, leaves))})"
 
 
-__all__ = ["add_adapters", "check_adapter_dir", "load_base"]
+def check_attention_tiles(checkpoint: str, tile_tokens: int, datamodule: object | None) -> None:
+    """Refuse, before the base loads, what tiled attention would refuse at the first long batch.
+
+    The checkpoint's config says whether its attention applies dropout, and the data module whether it packs rows
+    (packed rows need a mask; NOTE [ Tiled attention ] in longcontext/attention.py). ``tile_attention`` checks the
+    built model again, and the loss each batch: this only moves the refusal before minutes of loading.
+
+    Args:
+        checkpoint: The checkpoint directory (its ``config.json`` is read, no weights).
+        tile_tokens: The module's ``attention_tile_tokens``.
+        datamodule: The Trainer's data module, if any.
+
+    Raises:
+        MisconfigurationException: If the config has attention dropout or the data module packs its rows.
+    """
+    where = f"CausalLMFineTune(attention_tile_tokens={tile_tokens})"
+    packing = getattr(getattr(datamodule, "hparams", None), "packing", False)
+    if packing:
+        raise MisconfigurationException(
+            f"{where}: the data module packs its rows (`packing=True`), and packed rows need a mask that keeps their"
+            " examples apart, which tiled attention does not compute (NOTE [ Tiled attention ] in"
+            " longcontext/attention.py). Turn off the data module's `packing`, or set attention_tile_tokens to None."
+        )
+    try:
+        config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    except (OSError, ValueError):
+        return  # loading the base says what is wrong with the checkpoint
+    dropout = getattr(config.get_text_config(), "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise MisconfigurationException(
+            f"{where}: the checkpoint's config applies attention dropout ({dropout}), which tiled attention does not."
+            " Set `attention_dropout=0.0` in its config.json, or set attention_tile_tokens to None."
+        )
+
+
+__all__ = ["add_adapters", "check_adapter_dir", "check_attention_tiles", "load_base"]

@@ -6,6 +6,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -325,10 +326,24 @@ def test_attention_tiles_are_planned_for_applied_and_trained_exactly(
 
 
 def test_attention_tiles_refuse_attention_dropout_and_packed_batches(checkpoints: dict[str, Path]) -> None:
-    # The tests' Llama has attention dropout 0.1: refused when the model is built, naming the option and the fix.
+    # The tests' Llama has attention dropout 0.1: refused from its config before the base loads, naming the fix.
     module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", attention_tile_tokens=TILE)
+    never = mock.Mock(side_effect=AssertionError("the base was loaded before the refusal"))
+    with mock.patch("lightning_blockwise.recipes.finetune.load_base", never):
+        with pytest.raises(MisconfigurationException, match=r"attention_tile_tokens=5\): .*attention_dropout=0\.0"):
+            module.configure_model()
+        # A data module that packs its rows: refused before the base loads too, even with a config without dropout.
+        packing = SimpleNamespace(hparams=SimpleNamespace(packing=True))
+        trainer = SimpleNamespace(datamodule=packing, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+        module._trainer = trainer  # type: ignore[assignment]
+        with pytest.raises(MisconfigurationException, match=r"packs its rows \(`packing=True`\).*Turn off"):
+            module.configure_model()
+        module._trainer = None
+    assert not never.called
+    # Control: with the config's attention dropout checked at the model too, the base does load and tiling refuses.
     with pytest.raises(MisconfigurationException, match=r"attention_tile_tokens=5\): .*attention_dropout=0\.0"):
-        module.configure_model()
+        with mock.patch("lightning_blockwise.recipes.finetune.check_attention_tiles"):
+            module.configure_model()
     ids = torch.randint(1, VOCAB, (1, 12))
     packed = {
         "input_ids": ids,
