@@ -1,4 +1,7 @@
-"""The step budget: automatic offload only when a step needs it, tokens of batches and data modules, re-plans."""
+"""The step budget's offload decision, the tokens of batches and data modules, and re-plans before a longer batch.
+
+Its layer-input levels (splits, input checkpoints, the card's budget) are in test_step_budget.py beside it.
+"""
 
 from __future__ import annotations
 
