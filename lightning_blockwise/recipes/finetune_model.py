@@ -6,6 +6,7 @@ What :meth:`~lightning_blockwise.recipes.finetune.CausalLMFineTune.configure_mod
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -143,7 +144,10 @@ def check_attention_tiles(checkpoint: str, tile_tokens: int, datamodule: object 
         MisconfigurationException: If the config has attention dropout or the data module packs its rows.
     """
     where = f"CausalLMFineTune(attention_tile_tokens={tile_tokens})"
-    packing = getattr(getattr(datamodule, "hparams", None), "packing", False)
+    hparams = getattr(datamodule, "hparams", None)
+    packing = getattr(datamodule, "packing", None)
+    if packing is None and isinstance(hparams, Mapping):
+        packing = hparams.get("packing")
     if packing:
         raise MisconfigurationException(
             f"{where}: the data module packs its rows (`packing=True`), and packed rows need a mask that keeps their"

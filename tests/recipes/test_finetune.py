@@ -333,7 +333,7 @@ def test_attention_tiles_refuse_attention_dropout_and_packed_batches(checkpoints
         with pytest.raises(MisconfigurationException, match=r"attention_tile_tokens=5\): .*attention_dropout=0\.0"):
             module.configure_model()
         # A data module that packs its rows: refused before the base loads too, even with a config without dropout.
-        packing = SimpleNamespace(hparams=SimpleNamespace(packing=True))
+        packing = SimpleNamespace(hparams={"packing": True})  # a data module's hparams are a mapping
         trainer = SimpleNamespace(datamodule=packing, strategy=SimpleNamespace(root_device=torch.device("cpu")))
         module._trainer = trainer  # type: ignore[assignment]
         with pytest.raises(MisconfigurationException, match=r"packs its rows \(`packing=True`\).*Turn off"):
