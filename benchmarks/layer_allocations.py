@@ -7,6 +7,11 @@ recorded, and prints every allocation of at least ``--min-hidden`` hidden-state-
 that made it (the innermost frames outside torch's own autograd machinery), and the peak with what is alive at it.
 
     python -m benchmarks.layer_allocations --shape 7b --seq 65536 --liger --fused --tiled
+    python -m benchmarks.layer_allocations --shape 7b --seq 4096 --batch 2 --packed 512 --layers 2 --liger --fused
+
+``--packed N`` gives the rows ``position_ids`` that restart every ``N`` tokens (packed examples, as
+``recipes.packing`` builds them), so transformers builds a block-causal mask and SDPA runs with it: what a masked
+attention saves per layer shows with ``--layers 2`` (each layer's share of what is alive at the peak).
 
 A recompute runs the same layer code under no-grad and then with grad, so the backward's allocations here are the
 recompute's and backward's of a streamed layer.
@@ -45,12 +50,15 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="use_fused_lora")
     parser.add_argument("--tiled", action="store_true", help=f"tile_mlps({DEFAULT_TILE_TOKENS})")
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--batch", type=int, default=1, help="rows of --seq tokens")
+    parser.add_argument("--packed", type=int, default=None, help="position_ids restart every N tokens (a mask)")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers")
     parser.add_argument("--min-hidden", type=float, default=0.9, help="list allocations at least this many hidden")
     parser.add_argument("--depth", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
     config = SHAPES[args.shape]()
-    config.num_hidden_layers, config.vocab_size = 1, 1024
+    config.num_hidden_layers, config.vocab_size = args.layers, 1024
     model = random_nf4_model(config, torch.device("cuda"))
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=args.dropout, target_modules=TARGETS))
     if args.tiled:
@@ -59,16 +67,21 @@ def main() -> None:
         use_liger_kernels(model, swiglu=not args.tiled)
     if args.fused:
         use_fused_lora(model)
-    ids = torch.randint(0, config.vocab_size, (1, args.seq), device="cuda")
-    hidden_bytes = args.seq * config.hidden_size * 2
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
+    call: dict[str, Any] = {}
+    if args.packed is not None:
+        positions = torch.arange(args.seq, device="cuda") % args.packed
+        call = {"position_ids": positions.expand(args.batch, -1), "use_cache": False}
+    hidden_bytes = args.batch * args.seq * config.hidden_size * 2
     with torch.autocast("cuda", dtype=torch.bfloat16):  # a warm-up: kernels' workspaces, Liger's compiles
-        model(input_ids=ids[:, :2048]).logits.float().mean().backward()
+        warm = {k: v[:, :2048] if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+        model(input_ids=ids[:, :2048], **warm).logits.float().mean().backward()
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = model.base_model.model.model(input_ids=ids).last_hidden_state
+        out = model.base_model.model.model(input_ids=ids, **call).last_hidden_state
         out.float().pow(2).mean().backward()
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
@@ -90,7 +103,8 @@ def main() -> None:
     print(f"peak: {peak / 1e9:.3f} GB above the {before / 1e9:.3f} GB before ({peak / hidden_bytes:.2f} hidden)")
     for event in sorted(at_peak, key=lambda e: -e["size"])[:12]:
         print(f"  alive {event['size'] / hidden_bytes:5.2f} x  {' <- '.join(_frames(event, args.depth))}")
-    row = {"shape": args.shape, "seq": args.seq, "liger": args.liger, "fused": args.fused, "tiled": args.tiled,
+    row = {"shape": args.shape, "seq": args.seq, "batch": args.batch, "packed": args.packed, "layers": args.layers,
+           "liger": args.liger, "fused": args.fused, "tiled": args.tiled,
            "peak_gb": peak / 1e9, "peak_hidden": peak / hidden_bytes,
            "device": torch.cuda.get_device_name()}  # fmt: skip
     print(json.dumps(row), flush=True)
