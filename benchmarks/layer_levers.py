@@ -33,12 +33,14 @@ import json
 import statistics
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
+from benchmarks.peer_arms.measure import emit, failure
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.fused_lora import use_fused_lora
@@ -142,7 +144,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
-    parser.add_argument("--out", default=None, help="append one JSON line per row here")
+    parser.add_argument("--out", type=Path, default=None, help="append one JSON line per row here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("layer_levers times CUDA kernels: run it on a GPU.")
@@ -155,8 +157,7 @@ def main() -> None:
             try:
                 row = measure(args.shape, args.layers, seq, variant, args.reps, args.warmup)
             except Exception as error:  # a row says what failed; the next variant still runs
-                row = {"shape": args.shape, "seq": seq, "variant": variant, "status": "error",
-                       "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}",
+                row = {"shape": args.shape, "seq": seq, "variant": variant, **failure(error),
                        "trace_tail": traceback.format_exc().splitlines()[-6:]}  # fmt: skip
             out = row.pop("_out", None)
             base = variant.replace("+compile", "")
@@ -166,10 +167,10 @@ def main() -> None:
                 row["max_abs_diff_vs_eager"] = (out.float() - eager[base].float()).abs().max().item()
                 row["equals_eager"] = bool(torch.equal(out, eager[base]))
             row["mode"] = "deterministic" if args.deterministic else "default"
-            print(json.dumps(row), flush=True)
             if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                emit(row, args.out)
+            else:
+                print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
 
 
