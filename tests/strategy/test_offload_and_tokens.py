@@ -18,29 +18,9 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
 from lightning_blockwise.strategy.step_tokens import batch_tokens, declared_tokens
 from tests.helpers.models import SEQ, CausalLMModule, build_model, fit, padded_batches
+from tests.strategy.made_up import CONFIG, TOKENS, made_up_budget
 
-TOKENS = 256
-#: A made-up model: 8 layers, so that offload (3 inputs in flight instead of 8 saved) makes a difference.
-CONFIG = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=100)
-
-
-def _budget(**overrides: Any) -> StepBudget:
-    values: dict[str, Any] = dict(
-        config=CONFIG,
-        num_layers=8,
-        activation_bytes=2,
-        block_bytes=[1000] * 8,
-        prefetch_depth=1,
-        fixed_bytes=10_000,
-        trainable_bytes=100,
-        budget=None,
-        offload=None,
-        loss_chunk_tokens=None,
-        mlp_tile_tokens=None,
-        device_limit=None,
-    )
-    values.update(overrides)
-    return StepBudget(**values)
+_budget = made_up_budget
 
 
 def _minimum(offload: bool) -> int:

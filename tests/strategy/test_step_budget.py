@@ -40,32 +40,11 @@ from tests.helpers.models import (
     padded_batches,
     runs_differ,
 )
-
-LAYERS = 8
-#: The made-up model's micro-batch, and one layer input's bytes there.
-TOKENS = 256
-CONFIG = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=100)
-ONE = TOKENS * CONFIG.hidden_size * 2
+from tests.strategy.made_up import LAYERS, ONE, TOKENS, made_up_budget
 
 
 def _budget(**overrides: Any) -> StepBudget:
-    values: dict[str, Any] = dict(
-        config=CONFIG,
-        num_layers=LAYERS,
-        activation_bytes=2,
-        block_bytes=[1000] * LAYERS,
-        prefetch_depth=1,
-        fixed_bytes=10_000,
-        trainable_bytes=100,
-        budget=None,
-        offload=None,
-        loss_chunk_tokens=None,
-        mlp_tile_tokens=None,
-        device_limit=None,
-        choose_inputs=True,
-    )
-    values.update(overrides)
-    return StepBudget(**values)
+    return made_up_budget(**{"choose_inputs": True, **overrides})
 
 
 def _holding(budget: StepBudget, count: int, tokens: int) -> int:
