@@ -14,10 +14,17 @@ and reports per layer, and ``recompute = nograd + train`` (a streamed layer) aga
 
 Variants (``--variants``, options joined by ``+``): ``peft`` (transformers + PEFT + bitsandbytes), ``liger``
 (``use_liger_kernels``), ``fused`` (``use_fused_lora``), ``compile`` (each decoder layer compiled on its own,
-``layer.compile()``, regional as transformers and torchtune do). For a compiled variant it also says whether the
-no-grad forward's output is bit-equal to the grad forward's (``nograd_equals_train``): blockwise's replay needs the
-streamed forward pass to compute the very bits resident training does, and a compiled no-grad graph may fuse
-differently from the training graph. And the largest difference of its output from the eager variant's.
+``layer.compile()``, regional as transformers and torchtune do), and one scaled-dot-product attention backend forced
+for every call (``cudnn``, ``flash``, ``efficient``, ``math``; none: PyTorch's own choice).
+
+Each row says whether the no-grad forward's output is bit-equal to the grad forward's (``nograd_equals_train``):
+blockwise's replay needs the streamed forward pass to compute the very bits resident training does, and a compiled
+no-grad graph may fuse differently from the training graph, an attention backend may run another kernel without grad.
+A compiled variant also gives the largest difference of its output from the eager variant's, every eager one from the
+first variant's.
+
+``--profile`` adds, per variant, where one ``nograd`` and one ``train`` call spend their GPU time (``torch.profiler``):
+attention kernels, GEMMs, bitsandbytes' dequantization, and the rest, in ms per layer.
 
     python -m benchmarks.layer_levers --shape 7b --seq 4096 16384 --variants peft+liger+fused \
         peft+liger+fused+compile peft+compile --out /tmp/levers.jsonl
@@ -29,6 +36,7 @@ error) prints its error as a row and the next one runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -39,6 +47,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.peer_arms.measure import emit, failure
 from benchmarks.step_benchmark import SHAPES, TARGETS
@@ -47,7 +56,19 @@ from lightning_blockwise.kernels.fused_lora import use_fused_lora
 from lightning_blockwise.kernels.liger import use_liger_kernels
 from lightning_blockwise.recipes.random_init import random_nf4_model
 
-OPTIONS = ("peft", "liger", "fused", "compile")
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+OPTIONS = ("peft", "liger", "fused", "compile", *BACKENDS)
+# Kernel names by what they compute (CUDA kernel names of torch 2.11 / cuBLAS / cuDNN / bitsandbytes on an H100).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("gemm", ("gemm", "sm90_", "cutlass", "nvjet", "xmma", "ampere_")),
+    ("dequantize", ("dequantize",)),
+)
 
 
 def build(shape: str, layers: int, options: set[str]) -> tuple[torch.nn.Module, Any]:
@@ -90,24 +111,33 @@ def _time(fn: Any, reps: int, warmup: int) -> list[float]:
     return times
 
 
-def measure(shape: str, layers: int, seq: int, variant: str, reps: int, warmup: int) -> dict[str, Any]:
+def measure(
+    shape: str, layers: int, seq: int, variant: str, reps: int, warmup: int, profile: bool = False
+) -> dict[str, Any]:
     options = set(variant.split("+"))
     unknown = options - set(OPTIONS)
     if unknown:
         raise SystemExit(f"variant {variant!r}: unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
+    if len(options & set(BACKENDS)) > 1:
+        raise SystemExit(f"variant {variant!r}: force one attention backend at most")
     start = time.perf_counter()
     decoder, config = build(shape, layers, options)
     gen = torch.Generator(device="cuda").manual_seed(2)
     embeds = torch.randn(1, seq, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad_out = torch.randn(1, seq, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-3
 
+    forced = [BACKENDS[name] for name in BACKENDS if name in options]
+
+    def attention() -> Any:
+        return sdpa_kernel(forced) if forced else contextlib.nullcontext()
+
     def nograd() -> torch.Tensor:
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), attention():
             return decoder(inputs_embeds=embeds).last_hidden_state
 
     def train() -> torch.Tensor:
         x = embeds.detach().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16), attention():
             out = decoder(inputs_embeds=x).last_hidden_state
         out.backward(grad_out)
         decoder.zero_grad(set_to_none=True)
@@ -131,8 +161,31 @@ def measure(shape: str, layers: int, seq: int, variant: str, reps: int, warmup: 
         "first_call_s": first_call_s, "build_s": first - start,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "device": torch.cuda.get_device_name(),
     }  # fmt: skip
+    if profile:
+        row["nograd_kernels_ms_per_layer"] = kernel_split(nograd, layers)
+        row["train_kernels_ms_per_layer"] = kernel_split(train, layers)
     row["_out"] = out_train
     return row
+
+
+def kernel_split(fn: Any, layers: int) -> dict[str, float]:
+    """GPU time of one call of ``fn`` by kernel kind (``KERNEL_KINDS``, the rest as ``other``), ms per layer."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    top: list[tuple[float, str]] = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", 0.0)
+        if device_us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, needles in KERNEL_KINDS if any(n in name for n in needles)), "other")
+        split[kind] += device_us / 1e3 / layers
+        top.append((device_us / 1e3 / layers, event.key[:80]))
+    split = {k: round(v, 3) for k, v in split.items()}
+    split["top"] = [[name, round(ms, 3)] for ms, name in sorted(top, reverse=True)[:8]]  # type: ignore[assignment]
+    return split
 
 
 def main() -> None:
@@ -144,6 +197,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind, per variant")
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per row here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -155,14 +209,16 @@ def main() -> None:
         for variant in args.variants:
             torch.cuda.reset_peak_memory_stats()
             try:
-                row = measure(args.shape, args.layers, seq, variant, args.reps, args.warmup)
+                row = measure(args.shape, args.layers, seq, variant, args.reps, args.warmup, args.profile)
             except Exception as error:  # a row says what failed; the next variant still runs
                 row = {"shape": args.shape, "seq": seq, "variant": variant, **failure(error),
                        "trace_tail": traceback.format_exc().splitlines()[-6:]}  # fmt: skip
             out = row.pop("_out", None)
             base = variant.replace("+compile", "")
             if out is not None and "compile" not in variant:
-                eager[variant] = out
+                eager.setdefault(variant, out)
+                reference = next(iter(eager.values()))  # the first variant's output: how far a backend moves it
+                row["max_abs_diff_vs_first"] = (out.float() - reference.float()).abs().max().item()
             elif out is not None and base in eager:
                 row["max_abs_diff_vs_eager"] = (out.float() - eager[base].float()).abs().max().item()
                 row["equals_eager"] = bool(torch.equal(out, eager[base]))
