@@ -207,7 +207,11 @@ def run_arm(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[timer], deterministic=deterministic, accumulate_grad_batches=accumulate,
     )  # fmt: skip
-    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    try:
+        trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
+    except torch.OutOfMemoryError:
+        print(f"out of memory; the allocator's segments: {json.dumps(segment_report())}", flush=True)
+        raise
     if isinstance(strategy, BlockwiseStrategy):
         copy = strategy.host_copy
         assert copy is not None
@@ -239,6 +243,24 @@ def run_arm(
             streamed_kept_blocks=len(set(plan.kept) - set(plan.resident)),
         )  # fmt: skip
     return row
+
+
+def segment_report() -> dict[str, Any]:
+    """The caching allocator's segments by stream and kind, GB reserved and allocated: what an out-of-memory held."""
+    groups: dict[str, dict[str, float]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        expandable = " expandable" * bool(segment.get("is_expandable"))
+        key = f"stream {segment['stream']} {segment['segment_type']}{expandable}"
+        group = groups.setdefault(key, {"segments": 0, "reserved_gb": 0.0, "allocated_gb": 0.0})
+        group["segments"] += 1
+        group["reserved_gb"] += segment["total_size"] / 1e9
+        group["allocated_gb"] += segment["allocated_size"] / 1e9
+    stats = torch.cuda.memory_stats()
+    return {
+        "allocated_gb": stats.get("allocated_bytes.all.current", 0) / 1e9,
+        "reserved_gb": stats.get("reserved_bytes.all.current", 0) / 1e9,
+        "segments": {key: {k: round(v, 3) for k, v in group.items()} for key, group in groups.items()},
+    }
 
 
 def main() -> None:
