@@ -207,11 +207,7 @@ def run_arm(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[timer], deterministic=deterministic, accumulate_grad_batches=accumulate,
     )  # fmt: skip
-    try:
-        trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
-    except torch.OutOfMemoryError:
-        print(f"out of memory; the allocator's segments: {json.dumps(segment_report())}", flush=True)
-        raise
+    trainer.fit(BenchModule(model), DataLoader(batches, batch_size=None))
     if isinstance(strategy, BlockwiseStrategy):
         copy = strategy.host_copy
         assert copy is not None
@@ -245,8 +241,14 @@ def run_arm(
     return row
 
 
+def report_out_of_memory(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    """At an out-of-memory, before anything is freed: the request and the allocator's segments (an OOM observer)."""
+    report = {"request_gb": alloc / 1e9, "device_free_gb": device_free / 1e9, **segment_report()}
+    print(f"out of memory: {json.dumps(report)}", flush=True)
+
+
 def segment_report() -> dict[str, Any]:
-    """The caching allocator's segments by stream and kind, GB reserved and allocated: what an out-of-memory held."""
+    """The caching allocator's segments by stream and kind, GB reserved and allocated."""
     groups: dict[str, dict[str, float]] = {}
     for segment in torch.cuda.memory_snapshot():
         expandable = " expandable" * bool(segment.get("is_expandable"))
@@ -280,6 +282,7 @@ def main() -> None:
     if args.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
         parser.error("--deterministic needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment (cuBLAS reads it once)")
     device = torch.device("cuda")
+    torch._C._cuda_attach_out_of_memory_observer(report_out_of_memory)
     mode = "deterministic" if args.deterministic else "default"
     rows = []
     for shape in args.shapes:
