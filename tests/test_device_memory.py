@@ -14,6 +14,7 @@ import torch
 from lightning_blockwise.strategy.device_memory import (
     CARD_MARGIN,
     CARD_MARGIN_PERCENT,
+    STRANDED_RELOCATE_BYTES,
     apply_cap,
     blas_workspace_bytes,
     card_budget,
@@ -138,6 +139,55 @@ def test_what_the_process_holds_outside_the_run_comes_on_top(monkeypatch: pytest
     fresh.install(monkeypatch)
     apply_cap(DEVICE, 79 * 2**30, held_outside=4 * 2**30)
     assert fresh.fraction == 1.0
+
+
+class _Segments:
+    """The allocator's reserved and allocated bytes on a fake card; moving the module out returns what it pinned."""
+
+    def __init__(self, allocated: int, reserved: int, pinned_by_module: int) -> None:
+        self.allocated, self.reserved, self.pinned_by_module = allocated, reserved, pinned_by_module
+        self.moves: list[str] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+
+    def relocate(self, target: torch.device) -> None:
+        self.moves.append(target.type)
+        if target.type == "cpu":  # the segments the module's tensors kept mapped are returned by empty_cache
+            self.reserved -= self.pinned_by_module
+
+
+def test_segments_the_base_left_behind_are_returned_before_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    # 3 GiB allocated in 10 GiB of segments; the module's tensors pin 6 GiB of the 7 free, 1 GiB stays stranded.
+    segments = _Segments(allocated=3 * 2**30, reserved=10 * 2**30, pinned_by_module=6 * 2**30)
+    segments.install(monkeypatch)
+    _, changes = apply_cap(DEVICE, 7 * 2**30, relocate=segments.relocate)
+    assert segments.moves == ["cpu", "cuda"]
+    assert "6.00 GiB the allocator held free in segments mapped before the run returned" in changes[1]
+    # What stays stranded is counted like memory held outside the run: the budget's 7 GiB is still the run's.
+    assert cuda.fraction == 8 / 80
+    assert "8.00 GiB (7.00 GiB and 1.00 GiB the process held before, 1.00 GiB of it reserved and free)" in changes[2]
+
+
+def test_little_stranded_memory_is_counted_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    free = STRANDED_RELOCATE_BYTES - 2**20
+    segments = _Segments(allocated=3 * 2**30, reserved=3 * 2**30 + free, pinned_by_module=free)
+    segments.install(monkeypatch)
+    _, changes = apply_cap(DEVICE, 7 * 2**30, relocate=segments.relocate)
+    assert segments.moves == [] and len(changes) == 2
+    assert cuda.fraction == (7 * 2**30 + free) / CARD
+    # Control: one MiB more and the tensors move.
+    segments = _Segments(allocated=3 * 2**30, reserved=3 * 2**30 + free + 2**20, pinned_by_module=free + 2**20)
+    segments.install(monkeypatch)
+    apply_cap(DEVICE, 7 * 2**30, relocate=segments.relocate)
+    assert segments.moves == ["cpu", "cuda"] and cuda.fraction == 7 / 80
 
 
 @pytest.mark.parametrize(

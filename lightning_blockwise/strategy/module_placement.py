@@ -69,8 +69,12 @@ class ModulePlacement:
         # cap on the card ] in planning/memory.py). The cap is the process's: what the process holds on the
         # device outside the module (another model, a reference run's results) comes on top of the budget.
         self.held_outside = max(0, torch.cuda.memory_allocated(device) - device_bytes(module, device))
+
+        def relocate(target: torch.device) -> None:  # NOTE [ Segments the base left behind ] in device_memory.py
+            move_rest_to_device(module, stack, target, skip=on_host)
+
         with budget_errors(owner):
-            self._memory_cap, changes = apply_cap(device, budget, held_outside=self.held_outside)
+            self._memory_cap, changes = apply_cap(device, budget, held_outside=self.held_outside, relocate=relocate)
         return changes
 
     def restore(self) -> None:
