@@ -109,6 +109,20 @@ _FUSED_NORM_GRAPH_HIDDEN = 2
 # The 65k points ran the fused LoRA update, the longer ones did not; the model does not tell them apart.
 
 
+# NOTE [ Masked attention ]
+# Causal rows without padding run SDPA with `is_causal=True` and no mask, and grouped-query attention passes the
+# keys and values as they are (`enable_gqa`). Padded rows, and packed rows whose positions restart, make
+# transformers build a mask (a boolean batch x 1 x row x row, once per forward), and with a mask its SDPA path
+# repeats the keys and values to every query head (`repeat_kv`; transformers 5.x on CUDA), and SDPA turns the boolean
+# mask into an additive one of the activations' dtype for its kernel. Both are saved for the backward by every layer
+# that keeps its graph, and by the layer being recomputed. Measured (H100, Qwen2.5-7B shape, 2 rows of 4096 tokens
+# packed by 512, Liger and the fused update; `benchmarks/layer_allocations.py --packed 512`): per layer, the additive
+# mask (1.14 hidden-sized tensors: 2 x 4096 x 4096 x 2 B) and the two repeated key and value tensors (one hidden-sized
+# each) at the sdpa call. The plan of 9 kept layers on packed rows that missed them was 1.8% under. Counted here: the
+# additive mask and the repeats beyond the keys and values per kept graph and in the recomputed layer, the boolean mask
+# throughout. The step budget learns the row from the batches it sees (`masked_row` in strategy/step_tokens.py).
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What a training step's activation memory depends on.
@@ -140,6 +154,8 @@ class StepShape:
             checkpoints ] in replay/segments.py); ``None``: every layer's input kept.
         fused_norm: The decoder's RMSNorms run Liger's kernel (``kernels/liger.py``), which keeps and makes no fp32
             upcasts of its input: smaller working sets and kept graphs (NOTE [ A layer's backward peak ]).
+        masked_row: Tokens per row where attention runs SDPA with a mask (padded or packed rows), ``None`` where it
+            runs causal without one (NOTE [ Masked attention ]).
     """
 
     tokens: int
@@ -159,6 +175,7 @@ class StepShape:
     checkpoint_every: int | None = None
     attention_tile_tokens: int | None = None
     fused_norm: bool = False
+    masked_row: int | None = None
 
     @classmethod
     def for_config(
@@ -177,6 +194,7 @@ class StepShape:
         checkpoint_every: int | None = None,
         attention_tile_tokens: int | None = None,
         fused_norm: bool = False,
+        masked_row: int | None = None,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
 
@@ -196,6 +214,7 @@ class StepShape:
             checkpoint_every: One layer input kept in this many (``None``: every one).
             attention_tile_tokens: Queries per attention tile (``None``: untiled).
             fused_norm: The RMSNorms run Liger's kernel (no fp32 upcasts kept or made).
+            masked_row: Tokens per row where attention runs SDPA with a mask (``None``: causal, no mask).
         """
         config = getattr(config, "text_config", None) or config
         heads = getattr(config, "num_attention_heads", None)
@@ -219,6 +238,7 @@ class StepShape:
             checkpoint_every=checkpoint_every,
             attention_tile_tokens=attention_tile_tokens,
             fused_norm=fused_norm,
+            masked_row=masked_row,
         )
 
     def activation_peak(self) -> int:
@@ -241,6 +261,8 @@ class StepShape:
         through = _HIDDEN_STATES_ALIVE * self.input_bytes()
         # Block-major: the other micro-batches' decoder outputs, and their gradients waiting for the window's backward.
         through += 2 * (self.window - 1) * self.input_bytes()
+        # The model's boolean mask, built once per forward and held by every layer's captured call arguments.
+        through += 0 if self.masked_row is None else self.tokens * self.masked_row * self.window
         peak = saved_inputs + through + max(logits, self.layer_working_set())
         return int(peak * _ALLOCATOR_ROUNDING)
 
@@ -252,7 +274,16 @@ class StepShape:
         post-attention norm's backward (:meth:`norm_working_set`) and attention's (:meth:`attention_working_set`).
         """
         dequantized = 2 * self.hidden_size * self.intermediate_size * self.activation_bytes
-        return max(self.mlp_working_set() + dequantized, self.norm_working_set(), self.attention_working_set())
+        peaks = max(self.mlp_working_set() + dequantized, self.norm_working_set(), self.attention_working_set())
+        return peaks + self.masked_attention_bytes()
+
+    def masked_attention_bytes(self) -> int:
+        """Bytes a layer's graph holds more where its attention runs with a mask (NOTE [ Masked attention ])."""
+        if self.masked_row is None:
+            return 0
+        kv_size = self.hidden_size if self.kv_size is None else self.kv_size
+        repeated = 2 * self.tokens * (self.hidden_size - kv_size) * self.activation_bytes
+        return self.tokens * self.masked_row * self.activation_bytes + repeated
 
     def mlp_working_set(self) -> int:
         """Bytes at the MLP's backward in a layer's recompute (without the dequantized weight).
@@ -342,6 +373,7 @@ class StepShape:
         mlp -= self.fused_mlp
         hidden -= _FUSED_NORM_GRAPH_HIDDEN if self.fused_norm else 0
         graph = self.tokens * (hidden * self.hidden_size + mlp * self.intermediate_size) * self.activation_bytes
+        graph += self.masked_attention_bytes()
         # Rounded as the allocator rounds (a 1.5B run with kept blocks allocated 0.4% above the unrounded sum).
         return int(graph * _ALLOCATOR_ROUNDING)
 

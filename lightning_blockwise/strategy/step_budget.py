@@ -152,6 +152,8 @@ class StepBudget:
             where the layer inputs wait (NOTE [ Where layer inputs wait ]).
         host_ranks: Processes on this machine, each offloading its own inputs: each plans for its share of its
             host memory.
+        masked_row: The longest row seen whose attention runs with a mask (NOTE [ Masked attention ] in
+            planning/step_shape.py); ``None`` until such a batch is seen.
     """
 
     config: Any
@@ -178,6 +180,7 @@ class StepBudget:
     host_ranks: int = 1
     attention_tile_tokens: int | None = None
     fused_norm: bool = False
+    masked_row: int | None = None
 
     @classmethod
     def for_module(
@@ -286,6 +289,7 @@ class StepBudget:
             checkpoint_every=checkpoint_every,
             attention_tile_tokens=self.attention_tile_tokens,
             fused_norm=self.fused_norm,
+            masked_row=self.masked_row,
         )
 
     def plan(self, tokens: int, host_bytes: int | None = None) -> StepPlan:

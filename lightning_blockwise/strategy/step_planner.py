@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -12,7 +13,7 @@ import torch.distributed
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, host_room
-from lightning_blockwise.strategy.step_tokens import batch_tokens
+from lightning_blockwise.strategy.step_tokens import batch_tokens, masked_row
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 
@@ -32,15 +33,20 @@ def agreed(value: int, op: Literal["min", "max"], device: torch.device, group: A
     (a gloo group: :func:`~.data_parallel.host_group`) the value is a CPU tensor, so an NCCL run does not wait for
     its GPU queue here before every step; without one it goes through the default group on ``device``.
     """
+    return agreed_all([value], op, device, group)[0]
+
+
+def agreed_all(values: list[int], op: Literal["min", "max"], device: torch.device, group: Any = None) -> list[int]:
+    """Each of ``values`` reduced over the run's processes with ``op``, in one all-reduce (as :func:`agreed`)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return value
+        return values
     if torch.distributed.get_world_size() == 1:
-        return value
+        return values
     on_cpu = group is not None or torch.distributed.get_backend() == "gloo"
-    tensor = torch.tensor([value], dtype=torch.int64, device="cpu" if on_cpu else device)
+    tensor = torch.tensor(values, dtype=torch.int64, device="cpu" if on_cpu else device)
     reduce = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.MAX
     torch.distributed.all_reduce(tensor, op=reduce, group=group)
-    return int(tensor.item())
+    return [int(v) for v in tensor.tolist()]
 
 
 class StepPlanner:
@@ -106,13 +112,29 @@ class StepPlanner:
             MisconfigurationException: If the longer batch does not fit the budget.
         """
         tokens = batch_tokens(batch)
+        row = self._longer_masked_row(batch)
         if tokens is not None and self.budget.places_inputs:
-            # Every rank re-plans at the same step, for the longest batch of any (NOTE [ Where layer inputs wait ]).
-            tokens = agreed(tokens, "max", self.device, self.group)
-        if tokens is None or self.plan is None or tokens <= self.plan.tokens:
+            # Every rank re-plans at the same step, for the longest batch and masked row of any (NOTE [ Where layer
+            # inputs wait ]), in one all-reduce.
+            tokens, longest_row = agreed_all([tokens, row or 0], "max", self.device, self.group)
+            row = longest_row or None
+        if tokens is None or self.plan is None:
             return None
-        self._adopt(self._plan_for(tokens))
-        return f"longer batch: {self.describe()}"
+        masked = row is not None and row > (self.budget.masked_row or 0)
+        if not masked and tokens <= self.plan.tokens:
+            return None
+        if masked:  # NOTE [ Masked attention ] in planning/step_shape.py
+            self.budget = replace(self.budget, masked_row=row)
+        why = "longer batch" if tokens > self.plan.tokens else f"masked attention over rows of {row} tokens"
+        self._adopt(self._plan_for(max(tokens, self.plan.tokens)))
+        return f"{why}: {self.describe()}"
+
+    def _longer_masked_row(self, batch: Any) -> int | None:
+        """The batch's masked row length where it is longer than any planned for (its values read only then)."""
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[-1] <= (self.budget.masked_row or 0):
+            return None
+        return masked_row(batch, self.budget.config)
 
     def describe(self) -> str:
         """One line for the log: tokens, peak, offload, and where the layer inputs wait where the plan chose it."""

@@ -45,4 +45,28 @@ def batch_tokens(batch: Any) -> int | None:
     return None
 
 
-__all__ = ["DEFAULT_TOKENS", "batch_tokens", "declared_tokens"]
+def masked_row(batch: Any, config: Any) -> int | None:
+    """Tokens per row where the batch's attention runs SDPA with a mask, else ``None`` (NOTE [ Masked attention ]).
+
+    A mapping batch whose ``attention_mask`` has a zero (padding) or whose ``position_ids`` restart within a row
+    (packed rows), under a model whose attention is ``sdpa``. Reads the two tensors' values: on the device, one
+    reduction and a synchronization per check (the planner checks only a batch whose rows are longer than the longest
+    masked one it has planned for).
+    """
+    config = getattr(config, "text_config", None) or config
+    if not isinstance(batch, Mapping) or getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+        return None
+    ids = batch.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        return None
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and bool((mask == 0).any()):
+        return ids.shape[-1]
+    if isinstance(positions, Tensor) and positions.shape[-1] > 1:
+        steps = positions[..., 1:] - positions[..., :-1]
+        if bool((steps != 1).any()):
+            return ids.shape[-1]
+    return None
+
+
+__all__ = ["DEFAULT_TOKENS", "batch_tokens", "declared_tokens", "masked_row"]

@@ -235,6 +235,30 @@ def test_a_replan_counts_this_ranks_own_slabs_as_host_room(monkeypatch: pytest.M
         _planner(monkeypatch, measured=2 * ONE, own_slabs=None)._plan_for(TOKENS)
 
 
+def test_a_masked_batch_is_planned_for_once_before_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Masked attention ]: the first padded batch re-plans at the same tokens; the next ones do not."""
+    monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: LAYERS * ONE)
+    # A card with room for the mask: the masked plan fits it too.
+    planner = StepPlanner(_budget(budget=2 * _made_up(LAYERS)), "`vram_budget`")
+    planner.first_plan(TOKENS)
+    planner._layers = SimpleNamespace(  # type: ignore[assignment]
+        offload=None, set_input_levels=lambda *a: None, offload_inputs=lambda b: None
+    )
+    assert planner.plan is not None
+    before = planner.plan.residency.predicted_peak
+    ids = torch.ones(2, TOKENS // 2, dtype=torch.long)
+    # Control: an unmasked batch of the same tokens changes nothing.
+    assert planner.see_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}) is None
+    padded = torch.ones_like(ids)
+    padded[1, -3:] = 0
+    line = planner.see_batch({"input_ids": ids, "attention_mask": padded})
+    assert line is not None and line.startswith(f"masked attention over rows of {TOKENS // 2} tokens")
+    assert planner.budget.masked_row == TOKENS // 2 and planner.plan.residency.predicted_peak > before
+    assert planner.plan.shape.masked_row == TOKENS // 2
+    # The same rows again: planned for already.
+    assert planner.see_batch({"input_ids": ids, "attention_mask": padded}) is None
+
+
 class _TwoRanks:
     """A stand-in for the process group of 2 ranks: the other rank's numbers, and the all-reduces made."""
 
@@ -250,8 +274,11 @@ class _TwoRanks:
     def _all_reduce(self, tensor: Tensor, op: Any, group: Any = None) -> None:
         self.ops.append(op)
         self.calls.append((group, tensor.device))
+        # The other rank's values: one number for a one-element reduce, else a list (a number: the rest 0).
         other = self.others.pop(0)
-        tensor.fill_(min(int(tensor), other) if op == torch.distributed.ReduceOp.MIN else max(int(tensor), other))
+        others = torch.as_tensor(other if isinstance(other, list) else [other] + [0] * (tensor.numel() - 1))
+        least = op == torch.distributed.ReduceOp.MIN
+        tensor.copy_(torch.minimum(tensor, others) if least else torch.maximum(tensor, others))
 
 
 def test_every_rank_plans_from_the_least_host_room_and_the_longest_batch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -373,8 +400,14 @@ def test_control_the_chosen_replay_under_another_rng_state_differs(
 SHORT = 2 * 6
 
 
+def _unmasked(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """The batches with nothing masked, so attention runs causal without a mask and the plans below are those of
+    the input levels alone (the re-plan for masked rows, NOTE [ Masked attention ], is tested on its own)."""
+    return [{**batch, "attention_mask": torch.ones_like(batch["attention_mask"])} for batch in batches]
+
+
 def _growing_batches() -> list[dict[str, Tensor]]:
-    return padded_batches(2, seq=6) + padded_batches(2, seq=SEQ) + padded_batches(2, seq=6, seed=99)
+    return _unmasked(padded_batches(2, seq=6) + padded_batches(2, seq=SEQ) + padded_batches(2, seq=6, seed=99))
 
 
 @pytest.mark.usefixtures("no_host_memory")
@@ -385,6 +418,7 @@ def test_a_longer_batch_moves_the_inputs_between_steps_exactly(
 
     The re-plan changes k and the resident blocks at once: one new streamer, the resident blocks copied once.
     """
+    probe = replace(probe, masked_row=None)  # the batches are unmasked
     budget = _holding(probe, 6, RUN_TOKENS)
     short = replace(probe, budget=budget).plan(SHORT, host_bytes=0)
     assert short.inputs is not None and short.inputs.levels == InputLevels(LAYERS, 0, None)
@@ -469,9 +503,10 @@ def test_a_replan_moves_the_inputs_from_one_host_split_to_another_exactly(
             seen.append((layers.offloaded_layers, layers.offload.host_bytes))
 
     def batches() -> list[dict[str, Tensor]]:
-        return padded_batches(2, seq=10) + padded_batches(2, seq=SEQ)
+        return _unmasked(padded_batches(2, seq=10) + padded_batches(2, seq=SEQ))
 
-    strategy = BlockwiseStrategy(vram_budget=_holding(probe, 3, RUN_TOKENS), budget_tokens=20)
+    unmasked = replace(probe, masked_row=None)
+    strategy = BlockwiseStrategy(vram_budget=_holding(unmasked, 3, RUN_TOKENS), budget_tokens=20)
     run = fit(CausalLMModule(_nf4(checkpoint)), strategy, batches(), callbacks=[Slabs()], max_steps=2)
     resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", batches(), max_steps=2)
     if perturbed:
