@@ -54,7 +54,8 @@ def masked_row(batch: Any, config: Any) -> int | None:
     masked one it has planned for).
     """
     config = getattr(config, "text_config", None) or config
-    if not isinstance(batch, Mapping) or getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+    # Unset before a model is built from the config: transformers then picks sdpa where torch has it.
+    if not isinstance(batch, Mapping) or (getattr(config, "_attn_implementation", None) or "sdpa") != "sdpa":
         return None
     ids = batch.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() != 2:

@@ -66,6 +66,8 @@ def test_the_batches_that_run_attention_with_a_mask(batch: object, row: int | No
 def test_only_sdpa_is_counted() -> None:
     padded = _batch(attention_mask=torch.tensor([[1] * 8, [1] * 5 + [0] * 3]))
     assert masked_row(padded, SimpleNamespace(_attn_implementation="flash_attention_2")) is None
+    # Unset (a config no model was built from yet): transformers' default, sdpa.
+    assert masked_row(padded, SimpleNamespace(_attn_implementation=None)) == 8
     # A multimodal config's language model decides; control: sdpa there counts.
     text = SimpleNamespace(text_config=SimpleNamespace(_attn_implementation="sdpa"))
     assert masked_row(padded, text) == 8
