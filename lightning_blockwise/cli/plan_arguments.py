@@ -236,6 +236,14 @@ def plan_parser() -> argparse.ArgumentParser:
         " default: none, attention on all tokens at once).",
     )
     parser.add_argument(
+        "--masked-attention",
+        action="store_true",
+        help="The rows are padded or packed (an attention_mask with padding, or position_ids that restart), so"
+        " attention runs with a mask over rows of --seq-len tokens: every layer that keeps its graph holds an additive"
+        " copy of it and the keys and values repeated to every head (the strategy counts them from the first such"
+        " batch). Default: causal rows without padding.",
+    )
+    parser.add_argument(
         "--kernels",
         choices=list(KERNEL_CHOICES),
         default="auto",

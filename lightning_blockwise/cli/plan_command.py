@@ -79,6 +79,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
             block_major=options.block_major,
             devices=options.devices,
             kernels=options.kernels,
+            masked_row=options.seq_len if options.masked_attention else None,
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
@@ -108,6 +109,7 @@ def plan_report(
     devices: int = 1,
     attention_tile_tokens: int | None = None,
     kernels: str = "none",
+    masked_row: int | None = None,
 ) -> dict[str, Any]:
     """The numbers ``plan`` prints, for a model config (see :mod:`lightning_blockwise.planning.sizing`).
 
@@ -142,6 +144,8 @@ def plan_report(
         kernels: ``--kernels``: ``"liger"`` counts Liger-Kernel's RMSNorm and RoPE, which keep no fp32 copies of
             the norms' inputs, and its SwiGLU where the MLPs are untiled; ``"auto"`` the same where Liger-Kernel is
             installed here; ``"none"`` the model's own layers (NOTE [ The kernels plan counts ] in plan_arguments.py).
+        masked_row: ``--masked-attention``: the rows (of this many tokens) are padded or packed, so attention runs
+            with a mask (NOTE [ Masked attention ] in planning/step_shape.py); ``None``: causal rows.
 
     Raises:
         MisconfigurationException: If ``targets`` names a linear the decoder layers do not have, ``kernels`` is not
@@ -166,7 +170,12 @@ def plan_report(
         modelled = modelled_kernels(kernels, sizes.model_type, mlp_tile_tokens is not None)
     except ValueError as error:
         raise MisconfigurationException(f"--kernels: {error}") from None
-    fused = {"fused_norm": modelled.liger, "fused_mlp": modelled.fused_mlp}
+    fused = {"fused_norm": modelled.liger, "fused_mlp": modelled.fused_mlp, "masked_row": masked_row}
+    if masked_row is not None and attention_tile_tokens is not None and attention_tile_tokens < tokens:
+        raise MisconfigurationException(
+            "--masked-attention with --attention-tile-tokens: tiled attention runs causal rows without padding only"
+            " (CausalLMFineTune refuses packed rows with it); drop one of them."
+        )
     if block_size > sizes.num_layers:
         raise MisconfigurationException(
             f"--block-size {block_size} is more than the {sizes.num_layers} decoder layers of this"
@@ -224,6 +233,7 @@ def plan_report(
         "kernels": "liger" if modelled.liger else "none",
         "kernels_reason": modelled.reason,
         "fused_mlp": step.shape.fused_mlp,
+        "masked_row": masked_row,
         "block_major": block_major,
         "offload_host_bytes": offload_host_bytes,
         "host_pinned_bytes": sizes.host_bytes(block_size) + offload_host_bytes,

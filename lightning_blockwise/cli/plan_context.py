@@ -99,6 +99,12 @@ def _refuse(options: argparse.Namespace) -> None:
             f"lightning-blockwise plan: {flag} plans one GPU without block-major windows; drop --devices and"
             " --block-major, or plan a given length with --seq-len."
         )
+    if options.masked_attention:
+        raise SystemExit(
+            f"lightning-blockwise plan: {flag} plans one row of each length without padding; a mask over one long row"
+            " takes row x row x 2 bytes in every layer that keeps its graph. Drop --masked-attention, or plan a given"
+            " length with --seq-len and --batch-size."
+        )
     if any(gib * 2**30 < SMALLEST_CARD for gib in options.cards):
         raise SystemExit(
             f"lightning-blockwise plan: --cards {' '.join(map(str, options.cards))}: a card needs at least"

@@ -89,7 +89,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("layer inputs", _inputs_text(report)),
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),
         ("MLP", _mlp_text(report["mlp_tile_tokens"], report["tokens"])),
-        ("attention", _attention_text(report.get("attention_tile_tokens"), report["tokens"])),
+        ("attention", _attention_text(report.get("attention_tile_tokens"), report["tokens"], report.get("masked_row"))),
         *_kernels_rows(report),
         ("host RAM, pinned arena", format_gb(report["host_arena_bytes"])),
         ("host RAM, offloaded layer inputs", format_gb(report["offload_host_bytes"]) + " pinned"),
@@ -185,7 +185,9 @@ def _mlp_text(mlp_tile_tokens: int | None, tokens: int) -> str:
     return f"tiled: each layer's MLP on {mlp_tile_tokens} tokens at a time"
 
 
-def _attention_text(attention_tile_tokens: int | None, tokens: int) -> str:
+def _attention_text(attention_tile_tokens: int | None, tokens: int, masked_row: int | None = None) -> str:
+    if masked_row is not None:  # plan refuses it with tiled attention
+        return f"with a mask over rows of {masked_row} tokens (padded or packed; --masked-attention)"
     if attention_tile_tokens is None or attention_tile_tokens >= tokens:
         return f"untiled: each layer's attention on all {tokens} queries at once"
     return f"tiled: each layer's attention on {attention_tile_tokens} queries at a time"

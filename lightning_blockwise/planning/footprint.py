@@ -98,6 +98,7 @@ class ModelSizes:
         attention_tile_tokens: int | None = None,
         fused_norm: bool = False,
         fused_mlp: bool = False,
+        masked_row: int | None = None,
     ) -> StepShape:
         """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
 
@@ -109,6 +110,7 @@ class ModelSizes:
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
             fused_norm: The RMSNorms run Liger's kernel (``StepShape.fused_norm``).
             fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
+            masked_row: Tokens per row where attention runs with a mask (``StepShape.masked_row``); ``None``: causal.
         """
         return StepShape.for_config(
             self.config,
@@ -121,6 +123,7 @@ class ModelSizes:
             attention_tile_tokens=attention_tile_tokens,
             fused_norm=fused_norm,
             fused_mlp=fused_mlp_of(fused_mlp, mlp_tile_tokens),
+            masked_row=masked_row,
         )
 
     def step_budget(
@@ -137,6 +140,7 @@ class ModelSizes:
         attention_tile_tokens: int | None = None,
         fused_norm: bool = False,
         fused_mlp: bool = False,
+        masked_row: int | None = None,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
 
@@ -157,6 +161,7 @@ class ModelSizes:
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
             fused_norm: The RMSNorms run Liger's kernel (what ``StepBudget.for_module`` reads from a model with it).
             fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
+            masked_row: Tokens per row where attention runs with a mask (``StepBudget.masked_row``); ``None``: causal.
 
         Raises:
             ValueError: If ``block_size`` is out of range.
@@ -182,6 +187,7 @@ class ModelSizes:
             attention_tile_tokens=attention_tile_tokens,
             fused_norm=fused_norm,
             fused_mlp=fused_mlp_of(fused_mlp, mlp_tile_tokens),
+            masked_row=masked_row,
         )
 
     def residency(
@@ -197,6 +203,7 @@ class ModelSizes:
         attention_tile_tokens: int | None = None,
         fused_norm: bool = False,
         fused_mlp: bool = False,
+        masked_row: int | None = None,
     ) -> ResidencyPlan:
         """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
 
@@ -212,6 +219,7 @@ class ModelSizes:
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
             fused_norm: The RMSNorms run Liger's kernel.
             fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
+            masked_row: Tokens per row where attention runs with a mask; ``None``: causal.
 
         Raises:
             ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
@@ -219,7 +227,7 @@ class ModelSizes:
         budgeted = self.step_budget(
             block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
             keep_activations=keep_activations, attention_tile_tokens=attention_tile_tokens, fused_norm=fused_norm,
-            fused_mlp=fused_mlp,
+            fused_mlp=fused_mlp, masked_row=masked_row,
         )  # fmt: skip
         return budgeted.plan(tokens).residency
 

@@ -58,6 +58,8 @@ class Recommendation:
         fused_norm: The plan counts Liger's RMSNorm, as given (``StepShape.fused_norm``).
         fused_mlp: The plan counts Liger's fused gated activation: given, and the MLPs untiled (``fused_mlp_of`` in
             planning/footprint.py).
+        masked_row: The plan counts attention with a mask over rows of this many tokens, as given
+            (``StepShape.masked_row``); ``None``: causal rows.
     """
 
     gpu_memory: int
@@ -72,6 +74,7 @@ class Recommendation:
     attention_tile_tokens: int | None = None
     fused_norm: bool = False
     fused_mlp: bool = False
+    masked_row: int | None = None
 
 
 #: The smallest card a plan is made for: the CUDA context's reserve and one step of budget.
@@ -104,6 +107,7 @@ def recommend(
     attention_tile_tokens: int | None = None,
     fused_norm: bool = False,
     fused_mlp: bool = False,
+    masked_row: int | None = None,
 ) -> Recommendation:
     """The ``vram_budget``, ``block_size``, offload, loss and MLP tiling for a card of ``gpu_memory`` bytes.
 
@@ -133,6 +137,8 @@ def recommend(
             with Liger-Kernel installed): planned for as given.
         fused_mlp: The MLPs run Liger's fused gated activation where they are untiled: counted for the settings
             without an MLP tile only, as ``CausalLMFineTune`` installs it.
+        masked_row: Tokens per row where attention runs with a mask (padded or packed rows), planned for as given;
+            ``None``: causal rows without padding.
 
     Raises:
         ValueError: If the card leaves no budget once the CUDA context is on it (:func:`check_card`).
@@ -158,7 +164,7 @@ def recommend(
     for offload_inputs, chunk, tile in options:
         advice = _recommend_blocks(
             sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile, attention_tile_tokens,
-            fused_norm, fused_mlp,
+            fused_norm, fused_mlp, masked_row,
         )  # fmt: skip
         if advice.plan is not None:
             return advice
@@ -177,9 +183,14 @@ def _recommend_blocks(
     attention_tile_tokens: int | None = None,
     fused_norm: bool = False,
     fused_mlp: bool = False,
+    masked_row: int | None = None,
 ) -> Recommendation:
     """:func:`recommend`'s choice of ``block_size`` for one setting of offload, loss and MLP tiling."""
-    kernels = {"fused_norm": fused_norm, "fused_mlp": fused_mlp_of(fused_mlp, mlp_tile_tokens)}
+    kernels = {
+        "fused_norm": fused_norm,
+        "fused_mlp": fused_mlp_of(fused_mlp, mlp_tile_tokens),
+        "masked_row": masked_row,
+    }
 
     def residency(block_size: int, budget: int | None = None) -> ResidencyPlan:
         return sizes.residency(
@@ -187,7 +198,7 @@ def _recommend_blocks(
             attention_tile_tokens=attention_tile_tokens, **kernels,
         )  # fmt: skip
 
-    shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens, attention_tile_tokens)
+    shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens, attention_tile_tokens, **kernels)
     options = {
         "offload_activations": offload_inputs,
         "loss_chunk_tokens": loss_chunk_tokens,

@@ -659,3 +659,34 @@ def test_plan_for_several_devices(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "2 GPUs, one data-parallel rank each" in out and "DDP gradient buckets (per GPU)" in out
     with pytest.raises(SystemExit):
         main(["plan", str(tmp_path), "--devices", "0"])
+
+
+def test_masked_attention_is_planned_for_and_refused_where_it_cannot_be(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--masked-attention` (padded or packed rows): the mask and the repeated keys and values counted, as the
+    strategy counts them from its first masked batch (NOTE [ Masked attention ] in planning/step_shape.py)."""
+    # The chunked loss, so that a layer's working set, not the logits, is the step's peak.
+    args = ["plan", "--shape", "7b", "--seq-len", "4096", "--batch-size", "2", "--kernels", "liger", "--json",
+            "--loss-chunk-tokens", "1024"]  # fmt: skip
+    main([*args, "--vram-budget", "22GiB", "--gpu-memory", "24GiB"])
+    causal = json.loads(capsys.readouterr().out)
+    main([*args, "--vram-budget", "22GiB", "--gpu-memory", "24GiB", "--masked-attention"])
+    masked = json.loads(capsys.readouterr().out)
+    assert (causal["masked_row"], masked["masked_row"]) == (None, 4096)
+    # Every block streamed: the recomputed layer's share and the boolean mask, exactly; the recommendation too.
+    shape = StepShape.for_config(
+        transformers.Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 intermediate_size=18944), tokens=8192, num_layers=28, masked_row=4096,
+        fused_norm=True, fused_mlp=True, loss_chunk_tokens=1024,
+    )  # fmt: skip
+    boolean = 8192 * 4096
+    more = masked["minimum_bytes"] - causal["minimum_bytes"]
+    assert more == pytest.approx((shape.masked_attention_bytes() + boolean) * 1.02 * 1.1, rel=0.01)
+    assert masked["recommendation"]["minimum_bytes"] > causal["recommendation"]["minimum_bytes"]
+    # Refused: one long unpadded row per length (--longest), and tiled attention, which runs causal rows only.
+    with pytest.raises(SystemExit, match="--longest plans one row of each length without padding"):
+        main(["plan", "--shape", "7b", "--longest", "--card", "24GB", "--masked-attention"])
+    with pytest.raises(SystemExit, match="--masked-attention with --attention-tile-tokens"):
+        main([*args, "--masked-attention", "--attention-tile-tokens", "1024"])
+    # Control: tiled attention alone is planned.
+    main([*args, "--attention-tile-tokens", "1024"])
+    assert json.loads(capsys.readouterr().out)["attention_tile_tokens"] == 1024
