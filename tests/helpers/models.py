@@ -216,6 +216,13 @@ def padded_batches(
     return batches
 
 
+def unmasked(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """``batches`` with nothing masked: attention runs causal without a mask, so the blockwise strategy makes no
+    re-plan for masked rows at the first step (NOTE [ Masked attention ] in planning/step_shape.py). For tests whose
+    plan, or a stack changed by hand after setup, must stay as set up."""
+    return [{**batch, "attention_mask": torch.ones_like(batch["attention_mask"])} for batch in batches]
+
+
 def loader(batches: list[dict[str, Tensor]]) -> DataLoader:
     return DataLoader(batches, batch_size=None, shuffle=False)
 

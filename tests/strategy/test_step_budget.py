@@ -39,6 +39,7 @@ from tests.helpers.models import (
     fit,
     padded_batches,
     runs_differ,
+    unmasked,
 )
 from tests.strategy.made_up import LAYERS, ONE, TOKENS, made_up_budget
 
@@ -400,14 +401,8 @@ def test_control_the_chosen_replay_under_another_rng_state_differs(
 SHORT = 2 * 6
 
 
-def _unmasked(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-    """The batches with nothing masked, so attention runs causal without a mask and the plans below are those of
-    the input levels alone (the re-plan for masked rows, NOTE [ Masked attention ], is tested on its own)."""
-    return [{**batch, "attention_mask": torch.ones_like(batch["attention_mask"])} for batch in batches]
-
-
 def _growing_batches() -> list[dict[str, Tensor]]:
-    return _unmasked(padded_batches(2, seq=6) + padded_batches(2, seq=SEQ) + padded_batches(2, seq=6, seed=99))
+    return unmasked(padded_batches(2, seq=6) + padded_batches(2, seq=SEQ) + padded_batches(2, seq=6, seed=99))
 
 
 @pytest.mark.usefixtures("no_host_memory")
@@ -503,10 +498,10 @@ def test_a_replan_moves_the_inputs_from_one_host_split_to_another_exactly(
             seen.append((layers.offloaded_layers, layers.offload.host_bytes))
 
     def batches() -> list[dict[str, Tensor]]:
-        return _unmasked(padded_batches(2, seq=10) + padded_batches(2, seq=SEQ))
+        return unmasked(padded_batches(2, seq=10) + padded_batches(2, seq=SEQ))
 
-    unmasked = replace(probe, masked_row=None)
-    strategy = BlockwiseStrategy(vram_budget=_holding(unmasked, 3, RUN_TOKENS), budget_tokens=20)
+    causal = replace(probe, masked_row=None)  # the batches are unmasked
+    strategy = BlockwiseStrategy(vram_budget=_holding(causal, 3, RUN_TOKENS), budget_tokens=20)
     run = fit(CausalLMModule(_nf4(checkpoint)), strategy, batches(), callbacks=[Slabs()], max_steps=2)
     resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", batches(), max_steps=2)
     if perturbed:
