@@ -48,10 +48,10 @@ def batch_tokens(batch: Any) -> int | None:
 def masked_row(batch: Any, config: Any) -> int | None:
     """Tokens per row where the batch's attention runs SDPA with a mask, else ``None`` (NOTE [ Masked attention ]).
 
-    A mapping batch whose ``attention_mask`` has a zero (padding) or whose ``position_ids`` restart within a row
-    (packed rows), under a model whose attention is ``sdpa``. Reads the two tensors' values: on the device, one
-    reduction and a synchronization per check (the planner checks only a batch whose rows are longer than the longest
-    masked one it has planned for).
+    A mapping batch whose ``attention_mask`` has a zero (padding) or is a 4-D mask built by the caller, or whose
+    ``position_ids`` restart within a row (packed rows), under a model whose attention is ``sdpa``. Reads the two
+    tensors' values: on the device, one reduction and a synchronization per check (the planner checks only a batch
+    whose rows are longer than the longest masked one it has planned for).
     """
     config = getattr(config, "text_config", None) or config
     # Unset before a model is built from the config: transformers then picks sdpa where torch has it.
@@ -61,6 +61,8 @@ def masked_row(batch: Any, config: Any) -> int | None:
     if not isinstance(ids, Tensor) or ids.dim() != 2:
         return None
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if isinstance(mask, Tensor) and mask.dim() == 4:  # a mask built by the caller: SDPA runs with it as given
+        return ids.shape[-1]
     if isinstance(mask, Tensor) and mask.dim() == 2 and bool((mask == 0).any()):
         return ids.shape[-1]
     if isinstance(positions, Tensor) and positions.shape[-1] > 1:

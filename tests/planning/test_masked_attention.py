@@ -52,12 +52,13 @@ def _batch(**tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         (_batch(), None),
         (_batch(attention_mask=torch.ones(2, 8, dtype=torch.long)), None),
         (_batch(attention_mask=torch.tensor([[1] * 8, [1] * 5 + [0] * 3])), 8),
+        (_batch(attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()), 8),
         (_batch(position_ids=torch.arange(8).repeat(2, 1)), None),
         (_batch(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)), 8),
         ({"input_ids": torch.ones(8, dtype=torch.long)}, None),
         (torch.ones(2, 8, dtype=torch.long), None),
     ],
-    ids=["ids", "all-ones mask", "padded", "positions", "packed", "one row, 1-D", "a tensor"],
+    ids=["ids", "all-ones mask", "padded", "4-D mask", "positions", "packed", "one row, 1-D", "a tensor"],
 )
 def test_the_batches_that_run_attention_with_a_mask(batch: object, row: int | None) -> None:
     assert masked_row(batch, SimpleNamespace(_attn_implementation="sdpa")) == row
