@@ -352,6 +352,15 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
                 rank_zero_info(f"BlockwiseStrategy: {replanned}.")
         return super().training_step(*args, **kwargs)
 
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        module = self.lightning_module
+        if self._planner is not None and module is not None and module._trainer is not None and module._trainer.training:
+            # NOTE [ Masked attention ] in planning/step_shape.py: the masks read here, on the host.
+            self._planner.note_host_batch(batch, moved)
+        return moved
+
     def _see_batch(self, batch: Any) -> None:
         if self._planner is not None:
             # NOTE [ A budget that sees the batches ] in step_budget.py.

@@ -72,6 +72,8 @@ class StepPlanner:
         self.plan: StepPlan | None = None
         self._layers: StreamedStack | None = None
         self._paused = 0
+        #: The last training batch moved to the device, and its masked row read on the host (:meth:`note_host_batch`).
+        self._noted: tuple[Any, int | None] | None = None
 
     def first_plan(self, tokens: int) -> StepPlan:
         """The plan for micro-batches of up to ``tokens`` tokens, made the run's.
@@ -112,7 +114,9 @@ class StepPlanner:
             MisconfigurationException: If the longer batch does not fit the budget.
         """
         tokens = batch_tokens(batch)
-        row = self._longer_masked_row(batch)
+        noted, self._noted = self._noted, None
+        # Read on the host before the copy where the strategy saw it move (no device sync), else here.
+        row = noted[1] if noted is not None and noted[0] is batch else self._longer_masked_row(batch)
         if tokens is not None and self.budget.places_inputs:
             # Every rank re-plans at the same step, for the longest batch and masked row of any (NOTE [ Where layer
             # inputs wait ]), in one all-reduce.
@@ -128,6 +132,15 @@ class StepPlanner:
         why = "longer batch" if tokens > self.plan.tokens else f"masked attention over rows of {row} tokens"
         self._adopt(self._plan_for(max(tokens, self.plan.tokens)))
         return f"{why}: {self.describe()}"
+
+    def note_host_batch(self, host_batch: Any, moved: Any) -> None:
+        """Read a training batch's masked row on the host, for :meth:`see_batch` of its copy ``moved``.
+
+        ``host_batch`` is the batch before its copy to the device (NOTE [ Masked attention ] in
+        planning/step_shape.py): a mask's values read on the device would make the host wait for the device before
+        every step.
+        """
+        self._noted = (moved, self._longer_masked_row(host_batch))
 
     def _longer_masked_row(self, batch: Any) -> int | None:
         """The batch's masked row length where it is longer than any planned for (its values read only then)."""

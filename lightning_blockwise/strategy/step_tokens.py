@@ -50,8 +50,9 @@ def masked_row(batch: Any, config: Any) -> int | None:
 
     A mapping batch whose ``attention_mask`` has a zero (padding) or is a 4-D mask built by the caller, or whose
     ``position_ids`` restart within a row (packed rows), under a model whose attention is ``sdpa``. Reads the two
-    tensors' values: on the device, one reduction and a synchronization per check (the planner checks only a batch
-    whose rows are longer than the longest masked one it has planned for).
+    tensors' values: the strategy reads them on the host, before the batch's copy to the device
+    (:meth:`~.step_planner.StepPlanner.note_host_batch`), and only for a batch whose rows are longer than the longest
+    masked one it has planned for.
     """
     config = getattr(config, "text_config", None) or config
     # Unset before a model is built from the config: transformers then picks sdpa where torch has it.

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
@@ -258,6 +259,54 @@ def test_a_masked_batch_is_planned_for_once_before_its_step(monkeypatch: pytest.
     assert planner.plan.shape.masked_row == TOKENS // 2
     # The same rows again: planned for already.
     assert planner.see_batch({"input_ids": ids, "attention_mask": padded}) is None
+
+
+def test_the_masks_are_read_on_the_host_before_the_copy(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Masked attention ]: the planner reads a batch's mask before its copy to the device (no device sync),
+    and plans for it before the step. Control: without the strategy's note, it reads the copy the step gets."""
+    read: list[Any] = []
+    stepped: list[Any] = []
+    masked_row = step_planner.masked_row
+
+    def reading(batch: Any, config: Any) -> int | None:
+        read.append(batch)
+        return masked_row(batch, config)
+
+    monkeypatch.setattr(step_planner, "masked_row", reading)
+
+    class Recording(CausalLMModule):
+        def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+            stepped.append(batch)
+            return super().training_step(batch, batch_idx)
+
+    strategy = BlockwiseStrategy(budget_tokens=RUN_TOKENS)
+    fit(Recording(_nf4(checkpoint)), strategy, padded_batches(2), max_steps=2)
+    assert strategy._planner is not None and strategy._planner.budget.masked_row == SEQ
+    assert read and stepped and not any(batch is copy for batch in read for copy in stepped)
+    read.clear(), stepped.clear()
+    monkeypatch.setattr(BlockwiseStrategy, "batch_to_device", Strategy.batch_to_device)
+    fit(Recording(_nf4(checkpoint)), BlockwiseStrategy(budget_tokens=RUN_TOKENS), padded_batches(2), max_steps=2)
+    assert read and read[0] is stepped[0]
+
+
+def test_a_noted_row_is_what_the_copy_is_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row read on the host stands for its copy (here an all-ones stand-in, which alone re-plans nothing)."""
+    monkeypatch.setattr(step_planner, "host_room", lambda ranks=1: LAYERS * ONE)
+    ids = torch.ones(2, TOKENS // 2, dtype=torch.long)
+    padded = torch.ones_like(ids)
+    padded[1, -3:] = 0
+    lines = []
+    for note in (False, True):
+        planner = StepPlanner(_budget(budget=2 * _made_up(LAYERS)), "`vram_budget`")
+        planner.first_plan(TOKENS)
+        planner._layers = SimpleNamespace(  # type: ignore[assignment]
+            offload=None, set_input_levels=lambda *a: None, offload_inputs=lambda b: None
+        )
+        copy = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if note:
+            planner.note_host_batch({"input_ids": ids, "attention_mask": padded}, copy)
+        lines.append(planner.see_batch(copy))
+    assert lines[0] is None and lines[1] is not None and lines[1].startswith("masked attention")
 
 
 class _TwoRanks:
