@@ -355,8 +355,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         moved = super().batch_to_device(batch, device, dataloader_idx)
-        module = self.lightning_module
-        if self._planner is not None and module is not None and module._trainer is not None and module._trainer.training:
+        trainer = None if self.lightning_module is None else self.lightning_module._trainer
+        if self._planner is not None and trainer is not None and trainer.training:
             # NOTE [ Masked attention ] in planning/step_shape.py: the masks read here, on the host.
             self._planner.note_host_batch(batch, moved)
         return moved
