@@ -14,6 +14,8 @@ import torch
 from peft.tuners.lora.layer import VARIANT_KWARG_KEYS, LoraLayer
 from torch import Tensor, nn
 
+from lightning_blockwise.kernels.nf4_lora import nf4_lora, takes_one_node
+
 # NOTE [ Fused LoRA update ]
 # PEFT 0.21 computes a LoRA linear as
 #   result = base(x); result = result.clone()  (bitsandbytes layers: a "defensive clone")
@@ -45,10 +47,17 @@ from torch import Tensor, nn
 
 
 class FusedLoraForward:
-    """The forward installed on one PEFT LoRA linear (an instance attribute; the class is untouched)."""
+    """The forward installed on one PEFT LoRA linear (an instance attribute; the class is untouched).
 
-    def __init__(self, layer: LoraLayer) -> None:
+    Args:
+        layer: The LoRA linear.
+        one_node: Run an NF4 base and its update as one autograd node where that applies
+            (NOTE [ One node per NF4 projection ] in nf4_lora.py).
+    """
+
+    def __init__(self, layer: LoraLayer, one_node: bool = False) -> None:
         self.layer = layer
+        self.one_node = one_node
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """PEFT's LoRA forward with each active adapter's update added inside its second matmul."""
@@ -58,6 +67,13 @@ class FusedLoraForward:
         layer._check_forward_args(x, *args, **kwargs)
         for key in VARIANT_KWARG_KEYS:  # as PEFT does: variants' arguments never reach the base layer
             kwargs.pop(key, None)
+        if self.one_node and not args and not kwargs:
+            adapter = self._one_node_adapter(x)
+            if adapter is not None:
+                return nf4_lora(
+                    x, layer.base_layer, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                    layer.scaling[adapter],
+                )  # fmt: skip
         result = layer.base_layer(x, *args, **kwargs)
         for name in layer.active_adapters:
             if name not in layer.lora_A:
@@ -70,6 +86,24 @@ class FusedLoraForward:
             product = lora_a(layer.lora_dropout[name](x))
             result = _add_product(result, product, lora_b.weight, layer.scaling[name])
         return result
+
+    def _one_node_adapter(self, x: Tensor) -> str | None:
+        """The adapter to run in one node with the base, or ``None`` where that would change what is computed.
+
+        One active adapter without dropout (dropout feeds the adapter another tensor than the base), whose first
+        matmul runs in ``x``'s dtype here as in the loop above: under autocast to ``x``'s dtype, or without
+        autocast with the adapter in ``x``'s dtype; and an NF4 base computing in ``x``'s dtype.
+        """
+        layer = self.layer
+        active = [name for name in layer.active_adapters if name in layer.lora_A]
+        if len(active) != 1 or not isinstance(layer.lora_dropout[active[0]], nn.Identity):
+            return None
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            same_dtype = torch.get_autocast_dtype(device) == x.dtype
+        else:
+            same_dtype = layer.lora_A[active[0]].weight.dtype == layer.lora_B[active[0]].weight.dtype == x.dtype
+        return active[0] if same_dtype and takes_one_node(layer.base_layer, x) else None
 
 
 def _add_product(result: Tensor, product: Tensor, weight_b: Tensor, scaling: float) -> Tensor:
@@ -99,7 +133,7 @@ def lora_variants_in(model: nn.Module) -> list[str]:
     )
 
 
-def use_fused_lora(model: nn.Module) -> int:
+def use_fused_lora(model: nn.Module, one_node: bool = False) -> int:
     """Add every LoRA linear's update inside its second matmul (NOTE [ Fused LoRA update ]).
 
     Call it where the module builds its model, after the adapters are added, so that every strategy trains the
@@ -109,6 +143,9 @@ def use_fused_lora(model: nn.Module) -> int:
     Args:
         model: A PEFT model (or a module holding one) with LoRA adapters on linear layers (dense or
             bitsandbytes 4-bit bases).
+        one_node: Also run each NF4 base projection and its update as one autograd node, whose backward adds the
+            adapter's share of the input's gradient inside a GEMM (NOTE [ One node per NF4 projection ]); adapters
+            with dropout keep the separate nodes.
 
     Returns:
         How many LoRA linears now add their update in one ``addmm``.
@@ -141,7 +178,7 @@ def use_fused_lora(model: nn.Module) -> int:
                 " 'fused_lora'), or use plain LoRA (`LoraConfig(use_dora=False, lora_bias=False)`)."
             )
     for layer in layers:
-        layer.forward = FusedLoraForward(layer)
+        layer.forward = FusedLoraForward(layer, one_node)
     return len(layers)
 
 
