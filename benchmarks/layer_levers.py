@@ -24,7 +24,9 @@ A compiled variant also gives the largest difference of its output from the eage
 first variant's.
 
 ``--profile`` adds, per variant, where one ``nograd`` and one ``train`` call spend their GPU time (``torch.profiler``):
-attention kernels, GEMMs, bitsandbytes' dequantization, and the rest, in ms per layer.
+attention kernels, GEMMs, bitsandbytes' dequantization, the loss, Triton kernels (Liger's), the rest, and the copies,
+in ms per layer, and the 8 largest kernels (``benchmarks/peer_arms/measure.py``'s ``KERNEL_KINDS``, shared with
+``benchmarks/peers.py --profile``).
 
     python -m benchmarks.layer_levers --shape 7b --seq 4096 16384 --variants peft+liger+fused \
         peft+liger+fused+compile peft+compile --out /tmp/levers.jsonl
@@ -49,7 +51,7 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.peer_arms.measure import emit, failure
+from benchmarks.peer_arms.measure import emit, failure, kernel_split_of
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.fused_lora import use_fused_lora
@@ -63,12 +65,6 @@ BACKENDS = {
     "math": SDPBackend.MATH,
 }
 OPTIONS = ("peft", "liger", "fused", "compile", *BACKENDS)
-# Kernel names by what they compute (CUDA kernel names of torch 2.11 / cuBLAS / cuDNN / bitsandbytes on an H100).
-KERNEL_KINDS = (
-    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-    ("gemm", ("gemm", "sm90_", "cutlass", "nvjet", "xmma", "ampere_")),
-    ("dequantize", ("dequantize",)),
-)
 
 
 def build(shape: str, layers: int, options: set[str]) -> tuple[torch.nn.Module, Any]:
@@ -168,24 +164,12 @@ def measure(
     return row
 
 
-def kernel_split(fn: Any, layers: int) -> dict[str, float]:
-    """GPU time of one call of ``fn`` by kernel kind (``KERNEL_KINDS``, the rest as ``other``), ms per layer."""
+def kernel_split(fn: Any, layers: int) -> dict[str, Any]:
+    """GPU time of one call of ``fn`` by kernel kind (``measure.kernel_split_of``), ms per layer."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
-    top: list[tuple[float, str]] = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", 0.0)
-        if device_us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.key.lower()
-        kind = next((k for k, needles in KERNEL_KINDS if any(n in name for n in needles)), "other")
-        split[kind] += device_us / 1e3 / layers
-        top.append((device_us / 1e3 / layers, event.key[:80]))
-    split = {k: round(v, 3) for k, v in split.items()}
-    split["top"] = [[name, round(ms, 3)] for ms, name in sorted(top, reverse=True)[:8]]  # type: ignore[assignment]
-    return split
+    return kernel_split_of(prof, layers)
 
 
 def main() -> None:

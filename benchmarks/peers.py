@@ -9,6 +9,8 @@ On the GPU host, from the repository root, with ``.whl`` and ``.peer`` carried (
     python -m benchmarks.peers --shape 7b --tokens 4096 16384 32768 --out /tmp/peers/7b.jsonl
     python -m benchmarks.peers --shape 7b --tokens 32768 49152 65536 --rows none --cap-gib 22 --equal-memory \
         --out /tmp/peers/7b-22gib.jsonl
+    python -m benchmarks.peers --shape 7b --tokens 16384 --rows none --cap-gib 22 --arms unsloth ours+liger+fused \
+        --steps 3 --profile --out /tmp/peers/7b-profile.jsonl      # where each arm's step spends its GPU time
     python -m benchmarks.peers --table /tmp/peers/7b.jsonl /tmp/peers/7b-22gib.jsonl   # for benchmarks/RESULTS.md
 
 The driver sources ``.peer/peer-env.sh`` in the Unsloth arm's process only (it installs the wheels into
@@ -36,6 +38,17 @@ timeout or a crash. s/step is the median of 5 timed steps after 2 warm-up steps 
 process from its start (``torch.cuda.set_per_process_memory_fraction``). ``--equal-memory`` runs Unsloth first and
 adds ``ours+liger+fused+budget=unsloth`` (the fast switches on): at each random point, a
 ``vram_budget`` of Unsloth's peak reserved bytes there.
+
+``--profile``: each arm trains one extra step after the timed ones at each point, under ``torch.profiler`` (CUDA
+activity only: CPU activity off keeps the step at its pace); that step is not in the median, the losses or the peaks
+(an extra step, rather than the last timed one left out: the timed steps are the same as without ``--profile``).
+Its row adds, in ms for the whole step (``peer_arms/measure.py``, ``step_profile``): ``step_kernels_ms``, the GPU
+time by kernel kind (``attention``, ``gemm``, ``dequantize``, ``loss``, ``triton``, ``other``; ``KERNEL_KINDS``,
+shared with ``layer_levers.py``; overlapping kernels summed); ``busy_ms``, the union of the kernels' intervals
+(kernels that overlap on other streams count once); ``window_ms``, the first kernel's start to the last one's end
+(``busy_ms / window_ms`` below 1 is the GPU idle within the step); ``memcpy_ms``, the copies (device events named
+Memcpy: a copy engine's, out of the kernels and busy time); ``top``, the 10 largest kernels ``[name, ms]``; and
+``profiled_step_s``, its wall time with the profiler on, beside the median's ``s_per_step``.
 """
 
 from __future__ import annotations
@@ -111,6 +124,7 @@ def arm_command(arm: Arm, points: list[Point], args: argparse.Namespace, out: Pa
     common = ["--arm", arm.name, "--shape", args.shape, "--points", *[p.key for p in points], "--out", str(out)]
     common += ["--cap-gib", str(args.cap_gib)] * (args.cap_gib is not None)
     common += ["--steps", str(args.steps)] * (args.steps is not None)
+    common += ["--profile"] * args.profile
     if arm.system == "unsloth":
         extra = ["--ckpt", str(checkpoint(args)), "--probe", str(args.probe)]
         return _in_peer_env(args, "-m", "benchmarks.peer_arms.unsloth_arm", *common, *extra)
@@ -204,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps at every point (default: 5, 3 >16k)")
     parser.add_argument("--equal-memory", action="store_true", help="add ours+liger+fused+budget=unsloth")
     parser.add_argument("--equal-memory-peak", choices=["reserved", "allocated"], default="reserved")
+    parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind of one extra step per point")
     parser.add_argument("--arm-timeout", type=float, default=3600.0, help="seconds per arm's process")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tests' tiny runs")
     parser.add_argument("--work", type=Path, default=Path("/tmp/peers"), help="checkpoints, logs, per-arm rows")

@@ -4,12 +4,16 @@ The model is built once (random-init NF4 of a Qwen2.5 shape, LoRA r=16 on the se
 benchmarks/step_benchmark.py builds it) and trained through ``Trainer.fit`` at each point, shortest first::
 
     python -m benchmarks.peer_arms.lightning_arm --arm ours+liger --shape 7b --points random:4096x1 rows:4096x2 \
-        --out rows.jsonl [--cap-gib 22] [--steps N] [--budget-for random:4096x1=7540000000]
+        --out rows.jsonl [--cap-gib 22] [--steps N] [--budget-for random:4096x1=7540000000] [--profile]
 
 ``ours`` is ``BlockwiseStrategy`` with its defaults (plus the arm's options); ``resident`` is ``strategy="auto"``
 without checkpointing (the compute floor); ``peft`` is ``strategy="auto"`` with Hugging Face's gradient
 checkpointing (non-reentrant), as a transformers + PEFT QLoRA user runs it. Every arm takes the chunked loss
 unless it says ``hfloss``.
+
+``--profile`` trains one extra step after the timed ones at each point and profiles it (:class:`Timer`); that step
+is not in the median, nor in the losses, so the row reads as without it, plus the fields of
+``measure.step_profile``.
 """
 
 from __future__ import annotations
@@ -80,23 +84,48 @@ class PeerModule(pl.LightningModule):
 
 
 class Timer(pl.Callback):
-    """Each step's wall time after ``warmup`` steps (synchronized on a GPU), the peaks reset after the warm-up."""
+    """Each step's wall time after ``warmup`` steps (synchronized on a GPU), the peaks reset after the warm-up.
 
-    def __init__(self, warmup: int, device: torch.device) -> None:
-        self.warmup, self.device = warmup, device
+    With ``profile_step`` (the index of an extra step after the timed ones) that step runs under
+    ``measure.profiler`` instead, from its batch's start to its end after a device synchronize (so the side streams'
+    work is in), and :attr:`profile` holds ``measure.step_profile`` of it and its wall time (``profiled_step_s``,
+    the profiler's overhead in); it is neither timed nor in the losses, and :attr:`peaks` are the peaks before it.
+    """
+
+    def __init__(self, warmup: int, device: torch.device, profile_step: int | None = None) -> None:
+        self.warmup, self.device, self.profile_step = warmup, device, profile_step
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.profile: dict[str, Any] | None = None
+        self.peaks: dict[str, float | None] | None = None
+        self._profiler: torch.profiler.profile | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if idx == self.warmup:
             measure.reset_peaks(self.device)
+        if idx == self.profile_step:
+            measure.now(self.device)  # the batch's copy (a side stream's) done first: the profile is the step's
+            self.peaks = measure.peaks(self.device)
+            self._profiler = measure.profiler(self.device)
+            self._profiler.start()
         self._start = measure.now(self.device)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         end = measure.now(self.device)
+        if self._profiler is not None:
+            self._profiler.stop()
+            self.profile = {**measure.step_profile(self._profiler), "profiled_step_s": round(end - self._start, 4)}
+            self._profiler = None
+            return
         if args[-1] >= self.warmup:
             self.times.append(end - self._start)
         self.losses.append(float(outputs["loss"]))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A step that failed while profiled leaves the profiler on, and the next point could not start its own.
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
 
 
 def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
@@ -172,31 +201,40 @@ def strategy_for(arm: Arm, point: Point, budgets: dict[str, str]) -> tuple[Any, 
 def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace, device: torch.device) -> dict:
     """Time ``arm`` at ``point``: the row's measured fields (an OOM is a result, not a crash)."""
     steps, warmup = point.steps(args.steps)
+    extra = int(args.profile)  # the profiled step, after the timed ones
     chunk = None if arm.loss == "hf" else int(arm.loss.split(":")[1])
-    timer = Timer(warmup, device)
+    timer = Timer(warmup, device, profile_step=warmup + steps if args.profile else None)
     row: dict[str, Any] = {"steps": steps, "warmup": warmup}
     strategy: Any = None
     model.to(device)  # a blockwise run leaves the base in host memory
     measure.reset_peaks(device)
     try:  # the strategy's and the data's refusals are this point's result too
         strategy, row["strategy"] = strategy_for(arm, point, args.budgets)
-        data = batches(point, steps + warmup, model.config.vocab_size)
-        row["step_tokens_mean"] = sum(int(b["input_ids"].numel()) for b in data) / len(data)
+        data = batches(point, steps + warmup + extra, model.config.vocab_size)
+        measured = data[: steps + warmup]  # a rows: point's extra batch may pad otherwise: the mean is as without it
+        row["step_tokens_mean"] = sum(int(b["input_ids"].numel()) for b in measured) / len(measured)
         trainer = pl.Trainer(
             accelerator=device.type if device.type == "cpu" else "gpu", devices=1, strategy=strategy,
-            precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
+            precision="bf16-mixed", max_steps=steps + warmup + extra, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
             deterministic="det" in arm.options,
         )  # fmt: skip
         tile = arm.options.get("tiled")
         tile = None if tile is None else TILE_TOKENS if tile is True else int(tile)
         trainer.fit(PeerModule(model, chunk, tile), DataLoader(data, batch_size=None))
+    except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
+        if not (args.profile and len(timer.times) == steps):
+            row.update(measure.failure(error), steps_done=len(timer.losses))
+        else:  # only the profiled step failed: the timed ones stand
+            row["profile_error"] = measure.failure(error)["error"]
+    if "status" not in row:
         row["status"] = "ok"
         row.update(measure.timing(timer.times, row["step_tokens_mean"]), loss_first=timer.losses[0],
                    loss_last=timer.losses[-1])  # fmt: skip
-    except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
-        row.update(measure.failure(error), steps_done=len(timer.losses))
+    if timer.profile is not None:
+        row.update(timer.profile, profiled_step=warmup + steps)
     row.update(measure.peaks(device))
+    row.update(timer.peaks or {})  # the timed steps' peaks: the profiled one's, profiler on, left out
     plan = getattr(strategy, "step_plan", None)
     if plan is not None:
         row.update(predicted_peak_gb=plan.residency.predicted_peak / measure.GB, offload=plan.offload,
@@ -218,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps at every point (default: by length)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--budget-for", nargs="*", default=[], help="POINT=BYTES: budget=unsloth's budget per point")
+    parser.add_argument("--profile", action="store_true", help="profile one extra step per point (not timed)")
     args = parser.parse_args(argv)
     if args.arm.system == "unsloth":
         parser.error("--arm unsloth runs in benchmarks.peer_arms.unsloth_arm, not here.")

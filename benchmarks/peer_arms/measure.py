@@ -1,7 +1,8 @@
 """What every arm records, whatever runs it: the versions, the device, the allocator cap, and one row per point.
 
-Imports torch and the standard library only: the Unsloth arm reads it before ``import unsloth``, which must come
-before transformers and PEFT.
+Also where a profiled step spends its GPU time (:func:`step_profile`, :func:`kernel_split_of`), which
+benchmarks/layer_levers.py shares. Imports torch and the standard library only: the Unsloth arm reads it before
+``import unsloth``, which must come before transformers and PEFT.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +26,28 @@ DISTRIBUTIONS = (
 )  # fmt: skip
 #: GB are 1e9 bytes, as everywhere in benchmarks/.
 GB = 1e9
+#: Kernel names by what they compute (CUDA kernel names of torch 2.11 / cuBLAS / cuDNN / bitsandbytes / Triton on an
+#: H100), matched lowercased; the first kind that matches wins, so a kernel counts once. ``loss`` comes before
+#: ``triton``: Liger's ``liger_cross_entropy_kernel``, Unsloth's ``_cross_entropy_forward`` and inductor's
+#: ``triton_red_fused__log_softmax_..`` are Triton kernels too, but count as the loss; torch's own cross-entropy is
+#: ``cunn_SoftMaxForward<.., LogSoftMaxForwardEpilogue>`` and ``nll_loss_*`` (plain softmax, attention's math path,
+#: stays ``other``).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("gemm", ("gemm", "sm90_", "cutlass", "nvjet", "xmma", "ampere_")),
+    ("dequantize", ("dequantize",)),
+    ("loss", ("cross_entropy", "crossentropy", "nll_loss", "log_softmax", "logsoftmax", "cce_")),
+    ("triton", ("triton",)),
+)
+#: Also ``triton``: a name that is a bare identifier and matched no kind above. Triton names a kernel after its
+#: Python function (Liger's ``_rms_norm_forward_kernel``, ``_swiglu_forward_kernel``; Unsloth's
+#: ``_rms_layernorm_forward``, ``_rope_embedding``, ``_fg_kernel``, ``_DWf_DW_dfg_kernel``), while a C++ kernel's
+#: demangled name carries its parameters (``void at::native::foo<..>(..)``); the bare names of cuBLAS and cuDNN
+#: (``nvjet_..``, ``sm90_xmma_..``, ``cudnn_..``) are caught by ``gemm`` and ``attention`` first.
+_BARE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Device events that are copies (``Memcpy HtoD (Pinned -> Device)``, ..), not kernels: a copy engine runs them beside
+#: the kernels, so they are reported on their own and kept out of the GPU's busy time.
+_MEMCPY = "memcpy"
 
 
 def versions() -> dict[str, str | None]:
@@ -141,3 +165,89 @@ def run_points(points: list[Any], head: dict[str, Any], out: Path, run: Any) -> 
         emit({**head, **where(p), **row}, out)
         if row["status"] == "oom":
             short_oom = p.key
+
+
+def profiler(device: torch.device) -> torch.profiler.profile:
+    """A profiler of the device's kernels only: CPU activity off, so the profiled step runs at its usual pace.
+
+    On the CPU (the tests' tiny runs) it records CPU ops, which are no device events: the split is all zeros there.
+    """
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    return torch.profiler.profile(activities=[activity])
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of the kernel ``name`` (:data:`KERNEL_KINDS`; an unmatched bare name ``triton``; else ``other``)."""
+    lower = name.lower()
+    kind = next((k for k, needles in KERNEL_KINDS if any(n in lower for n in needles)), None)
+    if kind is not None:
+        return kind
+    return "triton" if _BARE_NAME.fullmatch(name) else "other"
+
+
+def device_events(prof: Any) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of each device (CUDA) event of ``prof``, kernels and copies, by start.
+
+    ``prof`` is a stopped ``torch.profiler.profile`` (or anything whose ``events()`` yields events with ``name``,
+    ``device_type`` and ``time_range``): ``events()`` holds the device events themselves even with CPU activity off
+    (torch 2.11 and 2.13), their ``time_range`` in us from the trace's start.
+    """
+    found = [
+        (event.name, float(event.time_range.start), float(event.time_range.end))
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.end > event.time_range.start
+    ]
+    return sorted(found, key=lambda e: e[1])
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: kernels that overlap (on other streams) count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def kernel_split_of(prof: Any, divisor: float = 1.0, top: int = 8) -> dict[str, Any]:
+    """GPU time of ``prof``'s device events by kernel kind, in ms divided by ``divisor`` (e.g. per layer).
+
+    Returns:
+        Each kind of :data:`KERNEL_KINDS` and ``other`` (kernels only; their sum is the kernels' time, overlapping
+        ones summed), ``memcpy`` (the copies, no kind), and ``top``: the ``top`` kernels by time, ``[name, ms]``
+        summed over a name's calls, the name cut at 80 characters.
+    """
+    split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0, _MEMCPY: 0.0}
+    by_name: dict[str, float] = {}
+    for name, start, end in device_events(prof):
+        ms = (end - start) / 1e3 / divisor
+        if _MEMCPY in name.lower():
+            split[_MEMCPY] += ms
+            continue
+        split[kernel_kind(name)] += ms
+        by_name[name] = by_name.get(name, 0.0) + ms
+    out: dict[str, Any] = {k: round(v, 3) for k, v in split.items()}
+    largest = sorted(by_name.items(), key=lambda item: item[1], reverse=True)[:top]
+    out["top"] = [[name[:80], round(ms, 3)] for name, ms in largest]
+    return out
+
+
+def step_profile(prof: Any) -> dict[str, Any]:
+    """The row fields of one profiled step, in ms for the whole step.
+
+    Returns:
+        ``step_kernels_ms`` (GPU time by kernel kind, :func:`kernel_split_of`), ``busy_ms`` (the union of the
+        kernels' intervals: overlapping kernels on other streams count once), ``window_ms`` (the first kernel's
+        start to the last one's end: ``busy_ms / window_ms`` below 1 is the GPU idle within the step),
+        ``memcpy_ms`` (the copies, out of both), and ``top`` (the 10 largest kernels, ``[name, ms]``).
+    """
+    split = kernel_split_of(prof, top=10)
+    kernels = [(start, end) for name, start, end in device_events(prof) if _MEMCPY not in name.lower()]
+    window = max(end for _, end in kernels) - min(start for start, _ in kernels) if kernels else 0.0
+    return {
+        "memcpy_ms": split.pop(_MEMCPY), "top": split.pop("top"), "step_kernels_ms": split,
+        "busy_ms": round(busy_us(kernels) / 1e3, 3), "window_ms": round(window / 1e3, 3),
+    }  # fmt: skip

@@ -9,11 +9,15 @@ environment of ``.peer/peer-env.sh`` (benchmarks/peers.py does that)::
 Unsloth's defaults: ``FastLanguageModel.from_pretrained(load_in_4bit=True, dtype=bfloat16)``, LoRA r=16 alpha 32 on
 the seven projections, ``use_gradient_checkpointing="unsloth"``, its own loss (``model(**batch).loss``); the loop is
 the probe's (AdamW lr 1e-5 on the trainable parameters, bf16 autocast around the forward).
+
+``--profile`` runs one extra step after the timed ones at each point under ``measure.profiler`` (not timed, not in
+the losses, its peaks left out) and adds ``measure.step_profile``'s fields of it to the row, as the Lightning arm does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import os
@@ -65,37 +69,52 @@ def batches(point: Point, count: int, vocab: int) -> list[dict[str, Any]]:
     return [{k: v.reshape(1, -1) if torch.is_tensor(v) else v for k, v in b.items()} for b in rows]
 
 
-def run_point(model: Any, point: Point, fixed_steps: int | None, device: torch.device) -> dict[str, Any]:
-    """Time ``point`` in the probe's loop; an OOM is a result."""
+def run_point(model: Any, point: Point, fixed_steps: int | None, device: torch.device, profile: bool = False) -> dict:
+    """Time ``point`` in the probe's loop; an OOM is a result. ``profile``: profile one extra step after the timed."""
     steps, warmup = point.steps(fixed_steps)
+    profiled = warmup + steps if profile else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     row: dict[str, Any] = {"steps": steps, "warmup": warmup}
     times: list[float] = []
     losses: list[float] = []
+    peaks: dict[str, float | None] = {}
     measure.reset_peaks(device)
     try:  # the data's refusal is this point's result too
-        data = batches(point, steps + warmup, model.config.vocab_size)
-        row["step_tokens_mean"] = sum(int(b["input_ids"].numel()) for b in data) / len(data)
+        data = batches(point, steps + warmup + int(profile), model.config.vocab_size)
+        measured = data[: steps + warmup]  # a rows: point's extra batch may be longer: the mean is as without it
+        row["step_tokens_mean"] = sum(int(b["input_ids"].numel()) for b in measured) / len(measured)
         for index, batch in enumerate(data):
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             if index == warmup:
                 measure.reset_peaks(device)
-            start = measure.now(device)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            end = measure.now(device)
+            if index == profiled:
+                measure.now(device)  # the batch's copy done first: the profile is the step's
+                peaks = measure.peaks(device)
+            # The context stops the profiler should the step fail, so the next point can start its own.
+            with measure.profiler(device) if index == profiled else contextlib.nullcontext() as prof:
+                start = measure.now(device)
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                    loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                end = measure.now(device)
+            if prof is not None:
+                row.update(measure.step_profile(prof), profiled_step_s=round(end - start, 4), profiled_step=index)
+                continue
             if index >= warmup:
                 times.append(end - start)
             losses.append(float(loss))
+    except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
+        if not (profile and len(times) == steps):
+            row.update(measure.failure(error), steps_done=len(losses))
+        else:  # only the profiled step failed: the timed ones stand
+            row["profile_error"] = measure.failure(error)["error"]
+    if "status" not in row:
         row["status"] = "ok"
         row.update(measure.timing(times, row["step_tokens_mean"]), loss_first=losses[0], loss_last=losses[-1])
-    except Exception as error:  # an OOM is a measurement; anything else is recorded and the next point runs
-        row.update(measure.failure(error), steps_done=len(losses))
-    row.update(measure.peaks(device))
+    row.update(measure.peaks(device), **peaks)  # the timed steps' peaks: the profiled one's, profiler on, left out
     del optimizer
     gc.collect()
     if device.type == "cuda":
@@ -114,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cap-gib", type=float, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tests' stand-in probe")
+    parser.add_argument("--profile", action="store_true", help="profile one extra step per point (not timed)")
     args = parser.parse_args(argv)
     if args.arm.system != "unsloth":
         parser.error(f"--arm {args.arm.name}: this process runs the unsloth arm only.")
@@ -145,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     head.update(device=measure.device_name(device), versions=measure.versions())
     model.train()
-    measure.run_points(points, head, args.out, lambda p: run_point(model, p, args.steps, device))
+    measure.run_points(points, head, args.out, lambda p: run_point(model, p, args.steps, device, args.profile))
 
 
 if __name__ == "__main__":

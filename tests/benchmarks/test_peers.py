@@ -1,18 +1,20 @@
 """`benchmarks/peers.py` on the CPU: arms parsed, points ordered, each arm's process run end to end on a tiny shape,
-a failed, timed-out or out-of-memory arm recorded as rows, Unsloth skipped with a line, the table rendered."""
+a failed, timed-out or out-of-memory arm recorded as rows, Unsloth skipped with a line, the table rendered, and
+``--profile``'s step split (kernel kinds, the GPU's busy time) on synthetic kernel events."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from benchmarks import peers
-from benchmarks.peer_arms import lightning_arm
+from benchmarks.peer_arms import lightning_arm, measure
 from benchmarks.peer_arms.spec import parse_arm, parse_point, point
 from benchmarks.peer_arms.table import render
 
@@ -230,3 +232,105 @@ def test_unsloth_arm_feeds_the_probes_model(tmp_path: Path, monkeypatch: pytest.
     unsloth_arm.main(["--arm", "unsloth", "--probe", str(tmp_path / "none.py"), "--points", "random:32x1", *common])
     failed = json.loads(out.read_text().splitlines()[-1])
     assert failed["status"] == "error" and failed["phase"] == "load" and "none.py does not exist" in failed["error"]
+
+
+def test_busy_time_counts_overlapping_kernels_once() -> None:
+    # Two streams' kernels that overlap: the GPU was busy 0..15, not 10 + 10.
+    assert measure.busy_us([(5.0, 15.0), (0.0, 10.0)]) == 15.0
+    assert measure.busy_us([(0.0, 10.0), (2.0, 3.0), (10.0, 12.0)]) == 12.0  # one inside another, one touching
+    # Control: disjoint kernels are summed, the gap between them left out.
+    assert measure.busy_us([(20.0, 30.0), (0.0, 10.0)]) == 20.0
+    assert measure.busy_us([]) == 0.0
+
+
+def test_kernel_kinds_count_each_kernel_once() -> None:
+    kinds = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64, 4> >(Flash_fwd_params)": "attention",
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "gemm",
+        "void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, int)": "dequantize",
+        "liger_cross_entropy_kernel": "loss",  # a Triton kernel, but the loss's: loss is matched first
+        "_cross_entropy_forward": "loss",
+        "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>(float*)":
+            "loss",
+        "triton_red_fused__log_softmax_nll_loss_forward_0": "loss",
+        "_rms_norm_forward_kernel": "triton",  # bare names: Triton's (Liger, Unsloth)
+        "_DWf_DW_dfg_kernel": "triton",
+        "_rope_embedding": "triton",
+        "triton_poi_fused_add_mul_0": "triton",
+        # Control: C++ kernels that are none of these (their demangled names carry parameters).
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)": "other",
+        "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, SoftMaxForwardEpilogue>(float*)": "other",
+        "Memset (Device)": "other",
+    }  # fmt: skip
+    assert {name: measure.kernel_kind(name) for name in kinds} == kinds
+
+
+def _event(name: str, start: float, end: float, device: str = "CUDA") -> SimpleNamespace:
+    kind = getattr(torch.autograd.DeviceType, device)
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_step_profile_splits_a_step_on_two_streams() -> None:
+    events = [
+        _event("nvjet_tst_gemm", 100.0, 1100.0),  # compute stream
+        _event("_rms_norm_forward_kernel", 1500.0, 2000.0),  # after a 400 us gap: idle
+        _event("nvjet_tst_gemm", 1800.0, 2600.0),  # a side stream, overlapping the norm by 200 us
+        _event("Memcpy HtoD (Pinned -> Device)", 0.0, 3000.0),  # a copy engine's: no kernel, not busy
+        _event("aten::mm", 0.0, 5000.0, device="CPU"),  # a CPU event: not the GPU's
+        _event("cudaLaunchKernel", 50.0, 60.0, device="CPU"),
+    ]
+    row = measure.step_profile(SimpleNamespace(events=lambda: events))
+    assert row["step_kernels_ms"] == {"attention": 0.0, "gemm": 1.8, "dequantize": 0.0, "loss": 0.0, "triton": 0.5,
+                                      "other": 0.0}  # fmt: skip
+    # 2.3 ms of kernels, 0.2 of it overlapping: busy 2.1 in a window of 2.5 (the 0.4 gap idle).
+    assert row["busy_ms"] == 2.1 and row["window_ms"] == 2.5 and row["memcpy_ms"] == 3.0
+    assert row["top"] == [["nvjet_tst_gemm", 1.8], ["_rms_norm_forward_kernel", 0.5]]
+    # layer_levers' split: the same kinds per layer, and the copies.
+    per_layer = measure.kernel_split_of(SimpleNamespace(events=lambda: events), 2)
+    assert per_layer["gemm"] == 0.9 and per_layer["memcpy"] == 1.5 and per_layer["top"][0] == ["nvjet_tst_gemm", 0.9]
+
+
+def test_profile_adds_one_untimed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = lightning_arm.PeerModule.training_step
+    calls: list[int] = []
+
+    def counted(self: Any, batch: dict[str, Any], idx: int) -> torch.Tensor:
+        calls.append(idx)
+        return step(self, batch, idx)
+
+    monkeypatch.setattr(lightning_arm.PeerModule, "training_step", counted)
+    out = tmp_path / "rows.jsonl"
+    common = ["--arm", "resident", "--shape", "tiny", "--device", "cpu", "--steps", "1", "--points", "random:32x1"]
+    lightning_arm.main([*common, "--out", str(out), "--profile"])
+    row = json.loads(out.read_text())
+    # Two warm-up steps, one timed, one profiled: the median is of the timed one only.
+    assert calls == [0, 1, 2, 3] and row["status"] == "ok" and len(row["step_times"]) == 1
+    assert row["profiled_step"] == 3 and row["profiled_step_s"] > 0
+    # On the CPU there are no device events: the fields are there, all zero.
+    assert set(row["step_kernels_ms"]) == {"attention", "gemm", "dequantize", "loss", "triton", "other"}
+    assert row["busy_ms"] == row["window_ms"] == row["memcpy_ms"] == 0.0 and row["top"] == []
+    # Control: without --profile, no extra step and no profile fields.
+    calls.clear()
+    lightning_arm.main([*common, "--out", str(tmp_path / "plain.jsonl")])
+    plain = json.loads((tmp_path / "plain.jsonl").read_text())
+    assert calls == [0, 1, 2] and "step_kernels_ms" not in plain and len(plain["step_times"]) == 1
+    # The driver passes --profile on to each arm's process.
+    args = SimpleNamespace(shape="tiny", cap_gib=None, steps=1, profile=True, device="cpu")
+    assert "--profile" in peers.arm_command(parse_arm("ours"), [point(32)], args, out, {})
+    plain_args = SimpleNamespace(**{**vars(args), "profile": False})
+    assert "--profile" not in peers.arm_command(parse_arm("ours"), [point(32)], plain_args, out, {})
+
+
+def test_unsloth_arm_profiles_one_extra_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    from benchmarks.peer_arms import unsloth_arm
+
+    probe, out = tmp_path / "probe.py", tmp_path / "rows.jsonl"
+    probe.write_text(_PROBE)
+    unsloth_arm.main(["--arm", "unsloth", "--probe", str(probe), "--ckpt", str(tmp_path), "--device", "cpu",
+                      "--steps", "2", "--points", "random:32x1", "--out", str(out), "--profile"])  # fmt: skip
+    row = json.loads(out.read_text())
+    # Two warm-up steps, two timed, one profiled (the model saw five batches); the median is of the two.
+    assert len(row["settings"]["unsloth"]["shapes"]) == 5 and len(row["step_times"]) == 2
+    assert row["status"] == "ok" and row["profiled_step"] == 4 and row["busy_ms"] == 0.0
+    assert set(row["step_kernels_ms"]) == {"attention", "gemm", "dequantize", "loss", "triton", "other"}
