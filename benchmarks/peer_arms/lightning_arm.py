@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.load_benchmark import qwen2_config
 from benchmarks.peer_arms import measure
+from benchmarks.peer_arms.gaps import gap_report
 from benchmarks.peer_arms.spec import SYSTEM_NAMES, TILE_TOKENS, UNSLOTH_BUDGET, Arm, Point, parse_arm, parse_point
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise import BlockwiseStrategy
@@ -92,8 +95,8 @@ class Timer(pl.Callback):
     the profiler's overhead in); it is neither timed nor in the losses, and :attr:`peaks` are the peaks before it.
     """
 
-    def __init__(self, warmup: int, device: torch.device, profile_step: int | None = None) -> None:
-        self.warmup, self.device, self.profile_step = warmup, device, profile_step
+    def __init__(self, warmup: int, device: torch.device, profile_step: int | None = None, gaps: bool = False) -> None:
+        self.warmup, self.device, self.profile_step, self.gaps = warmup, device, profile_step, gaps
         self.times: list[float] = []
         self.losses: list[float] = []
         self.profile: dict[str, Any] | None = None
@@ -106,7 +109,7 @@ class Timer(pl.Callback):
         if idx == self.profile_step:
             measure.now(self.device)  # the batch's copy (a side stream's) done first: the profile is the step's
             self.peaks = measure.peaks(self.device)
-            self._profiler = measure.profiler(self.device)
+            self._profiler = measure.profiler(self.device, host=self.gaps)
             self._profiler.start()
         self._start = measure.now(self.device)
 
@@ -115,6 +118,11 @@ class Timer(pl.Callback):
         if self._profiler is not None:
             self._profiler.stop()
             self.profile = {**measure.step_profile(self._profiler), "profiled_step_s": round(end - self._start, 4)}
+            if self.gaps:
+                with tempfile.TemporaryDirectory() as folder:
+                    trace = Path(folder) / "step.json"
+                    self._profiler.export_chrome_trace(str(trace))
+                    self.profile["gaps"] = gap_report(json.loads(trace.read_text()))
             self._profiler = None
             return
         if args[-1] >= self.warmup:
@@ -205,7 +213,7 @@ def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace
     steps, warmup = point.steps(args.steps)
     extra = int(args.profile)  # the profiled step, after the timed ones
     chunk = None if arm.loss == "hf" else int(arm.loss.split(":")[1])
-    timer = Timer(warmup, device, profile_step=warmup + steps if args.profile else None)
+    timer = Timer(warmup, device, profile_step=warmup + steps if args.profile else None, gaps=args.profile_gaps)
     row: dict[str, Any] = {"steps": steps, "warmup": warmup}
     strategy: Any = None
     model.to(device)  # a blockwise run leaves the base in host memory
@@ -259,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--budget-for", nargs="*", default=[], help="POINT=BYTES: budget=unsloth's budget per point")
     parser.add_argument("--profile", action="store_true", help="profile one extra step per point (not timed)")
+    parser.add_argument(
+        "--profile-gaps", action="store_true",
+        help="with --profile: CPU activity on too, and the step's GPU idle gaps by cause (peer_arms/gaps.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.arm.system == "unsloth":
         parser.error("--arm unsloth runs in benchmarks.peer_arms.unsloth_arm, not here.")

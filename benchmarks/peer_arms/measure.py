@@ -167,14 +167,17 @@ def run_points(points: list[Any], head: dict[str, Any], out: Path, run: Any) -> 
             short_oom = p.key
 
 
-def profiler(device: torch.device) -> torch.profiler.profile:
+def profiler(device: torch.device, host: bool = False) -> torch.profiler.profile:
     """A profiler of the device's kernels only: CPU activity off, so the profiled step runs at its usual pace.
 
+    With ``host`` the CPU's ops and runtime calls too (what ``gaps.gap_report`` reads; the step runs slower).
     On the CPU (the tests' tiny runs) it records CPU ops, which are no device events: the split is all zeros there.
     """
     cuda = device.type == "cuda"
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    return torch.profiler.profile(activities=[activity])
+    activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+    if host or not cuda:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    return torch.profiler.profile(activities=activities)
 
 
 def kernel_kind(name: str) -> str:
