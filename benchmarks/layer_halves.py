@@ -5,7 +5,7 @@ planning/memory.py); keeping the whole graph saves the second forward at the cos
 Keeping only the attention half's graph and recomputing the MLP half would save the attention half's forward at
 the cost of the attention half's saved tensors. Which pays more per byte decides whether that lever is worth
 building. This script builds a ``--layers``-layer decoder stack of a real shape as ``layer_levers.py`` does (its
-variants: ``peft``, ``liger``, ``fused``, ``onenode``) and reports per layer:
+variants: ``peft``, ``liger``, ``fused``) and reports per layer:
 
 - ``attention_ms`` / ``mlp_ms`` / ``layer_ms``: the no-grad forward of ``self_attn``, of ``mlp`` and of the whole
   layer (CUDA events around each module's call, median over ``--reps``), what a recompute runs again;

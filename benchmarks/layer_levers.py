@@ -13,10 +13,9 @@ vocabulary), and for each variant times, with CUDA events, the decoder stack's
 and reports per layer, and ``recompute = nograd + train`` (a streamed layer) against ``train`` (a kept one).
 
 Variants (``--variants``, options joined by ``+``): ``peft`` (transformers + PEFT + bitsandbytes), ``liger``
-(``use_liger_kernels``), ``fused`` (``use_fused_lora``), ``onenode`` (``use_fused_lora(model, one_node=True)``),
-``compile`` (each decoder layer compiled on its own, ``layer.compile()``, regional as transformers and torchtune do),
-and one scaled-dot-product attention backend forced for every call (``cudnn``, ``flash``, ``efficient``, ``math``;
-none: PyTorch's own choice).
+(``use_liger_kernels``), ``fused`` (``use_fused_lora``), ``compile`` (each decoder layer compiled on its own,
+``layer.compile()``, regional as transformers and torchtune do), and one scaled-dot-product attention backend forced
+for every call (``cudnn``, ``flash``, ``efficient``, ``math``; none: PyTorch's own choice).
 
 Each row says whether the no-grad forward's output is bit-equal to the grad forward's (``nograd_equals_train``):
 blockwise's replay needs the streamed forward pass to compute the very bits resident training does, and a compiled
@@ -65,7 +64,7 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-OPTIONS = ("peft", "liger", "fused", "onenode", "compile", *BACKENDS)
+OPTIONS = ("peft", "liger", "fused", "compile", *BACKENDS)
 
 
 def build(shape: str, layers: int, options: set[str]) -> tuple[torch.nn.Module, Any]:
@@ -81,8 +80,8 @@ def build(shape: str, layers: int, options: set[str]) -> tuple[torch.nn.Module, 
             torch.nn.init.normal_(param, std=0.02)
     if "liger" in options:
         use_liger_kernels(model)
-    if "fused" in options or "onenode" in options:
-        use_fused_lora(model, one_node="onenode" in options)
+    if "fused" in options:
+        use_fused_lora(model)
     if "compile" in options:
         # A fresh dynamo for each variant: the layers share one forward code object, and its cache entries (per
         # layer, grad mode and variant) would pass the recompile limit, after which dynamo runs the layer eagerly.

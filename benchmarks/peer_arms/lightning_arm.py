@@ -151,14 +151,12 @@ def build(arm: Arm, shape: str, device: torch.device) -> tuple[nn.Module, dict[s
             ) from error
         use_liger_kernels(model)
         settings["liger"] = "use_liger_kernels(model): its defaults (RMSNorm, RoPE, SwiGLU)"
-    if "fused" in arm.options or "onenode" in arm.options:
+    if "fused" in arm.options:
         from lightning_blockwise.kernels.fused_lora import use_fused_lora
 
-        one_node = "onenode" in arm.options
-        count = use_fused_lora(model, one_node=one_node)
-        settings["fused_lora"] = f"use_fused_lora(model, one_node={one_node}): {count} LoRA linears"
+        settings["fused_lora"] = f"use_fused_lora(model): {use_fused_lora(model)} LoRA linears"
     attention = model.config._attn_implementation
-    kernels = "+".join(name for name in ("liger", "fused", "onenode") if name in arm.options) or "transformers"
+    kernels = "+".join(name for name in ("liger", "fused") if name in arm.options) or "transformers"
     settings["kernels"] = f"{kernels} ({attention} attention)"
     tile = arm.options.get("tiled")
     if tile is not None:

@@ -16,16 +16,15 @@ SYSTEM_NAMES = {"ours": "lightning-blockwise", "resident": "lightning-blockwise"
                 "unsloth": "unsloth"}  # fmt: skip
 #: Options each system takes; ``name`` alone is a flag, ``name=value`` a value.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "ours": ("liger", "fused", "onenode", "budget", "offload", "chunked", "tiled", "hfloss", "det"),
-    "resident": ("liger", "fused", "onenode", "chunked", "tiled", "hfloss", "det"),
-    "peft": ("liger", "fused", "onenode", "chunked", "tiled", "hfloss", "det"),
+    "ours": ("liger", "fused", "budget", "offload", "chunked", "tiled", "hfloss", "det"),
+    "resident": ("liger", "fused", "chunked", "tiled", "hfloss", "det"),
+    "peft": ("liger", "fused", "chunked", "tiled", "hfloss", "det"),
     "unsloth": ("gc",),
 }
 #: What each option does, for the help text and the refusals.
 OPTION_HELP = {
     "liger": "Liger kernels (lightning_blockwise.kernels.use_liger_kernels(model))",
     "fused": "the fused LoRA update (lightning_blockwise.kernels.fused_lora.use_fused_lora(model))",
-    "onenode": "the fused update with one autograd node per NF4 projection (use_fused_lora(model, one_node=True))",
     "budget": "BlockwiseStrategy(vram_budget=VALUE): bytes, a size such as 7.5GB, or 'unsloth' (--equal-memory)",
     "offload": "BlockwiseStrategy(offload_activations=True)",
     "chunked": "chunked_causal_lm_loss(chunk_tokens=VALUE or 1024): the default loss of every arm but unsloth",
@@ -97,13 +96,11 @@ def parse_arm(name: str) -> Arm:
             raise ValueError(f"arm {name!r}: {key} needs a value ({OPTION_HELP[key]}), e.g. {key}=...")
         if key in ("chunked", "tiled") and value and not value.isdigit():
             raise ValueError(f"arm {name!r}: {key}={value!r} must be a whole number of tokens.")
-        if key in ("liger", "fused", "onenode", "offload", "hfloss", "det") and value:
+        if key in ("liger", "fused", "offload", "hfloss", "det") and value:
             raise ValueError(f"arm {name!r}: {key} is a flag and takes no value (got {key}={value!r}).")
         if key == "gc" and value not in ("unsloth", "true", "false"):
             raise ValueError(f"arm {name!r}: gc={value!r} must be unsloth, true or false.")
         options[key] = value or True
-    if "onenode" in options and "fused" in options:
-        raise ValueError(f"arm {name!r}: onenode is the fused update with one node per projection; name one.")
     if "hfloss" in options and "chunked" in options:
         raise ValueError(f"arm {name!r}: hfloss and chunked are two losses; name one.")
     return Arm(name, system, options)

@@ -14,8 +14,6 @@ import torch
 from peft.tuners.lora.layer import VARIANT_KWARG_KEYS, LoraLayer
 from torch import Tensor, nn
 
-from lightning_blockwise.kernels.nf4_lora import nf4_lora, takes_one_node
-
 # NOTE [ Fused LoRA update ]
 # PEFT 0.21 computes a LoRA linear as
 #   result = base(x); result = result.clone()  (bitsandbytes layers: a "defensive clone")
@@ -24,8 +22,8 @@ from lightning_blockwise.kernels.nf4_lora import nf4_lora, takes_one_node
 # which autocast casts back to bf16 for the matmul). Beside the two small matmuls that is four passes over the
 # d_out-wide output per projection in the forward (the clone, the product with `scaling`, the sum, and the
 # fp32 input copy or none) and one more in the backward (the gradient times `scaling`).
-# Here the update is one GEMM with the base output as its addend:
-#   result = addmm(base(x), lora_A(dropout(x)), lora_B.weight.T, alpha=scaling)
+# Here the update is one GEMM with the base output as its addend (added in place, NOTE [ The update added in place ]):
+#   result = base(x).addmm_(lora_A(dropout(x)), lora_B.weight.T, alpha=scaling)
 # so the GEMM adds `scaling * (x A^T) B^T` to the base output in its epilogue, nothing of the output is copied, and
 # autograd's addmm backward scales only the d_out x r and N x r gradients. Measured on the H100 at the 7B shape,
 # every layer kept: 2% of a step at 4k tokens, 5.5% at 16k (benchmarks/RESULTS.md, session of 2026-11-26). The
@@ -44,20 +42,23 @@ from lightning_blockwise.kernels.nf4_lora import nf4_lora, takes_one_node
 # or chosen per sample (`adapter_names`, inference) run PEFT's own forward: those states add no update to fuse.
 # Installed per instance (`layer.forward = FusedLoraForward(layer)`), the classes untouched, like the
 # factored DoRA norm (adapters/dora_norm.py).
+#
+# NOTE [ The update added in place ]
+# ``torch.addmm(base, ...)`` with a 2-D addend copies ``base`` into a new output and then runs the GEMM with beta=1
+# on it (cuBLAS reads and writes C in place); ``base.addmm_(...)`` runs the same GEMM on ``base`` itself, so the
+# bits are the same and the copy is gone. That copy was one pass over each projection's output per forward: the
+# profile of a 7B step at 16k tokens showed 7 device-to-device copies per layer per forward, 0.4 ms each for the
+# MLP's 16k x 18944 outputs, in which the GPU computed nothing (benchmarks/RESULTS.md, session of 2026-11-26 11:42;
+# `benchmarks/peer_arms/gaps.py`). The base output is a fresh tensor that no autograd node saved (bitsandbytes'
+# ``MatMul4Bit`` and a dense linear keep their input, not their output), so writing into it is safe; the version
+# counter would make autograd refuse any node that had.
 
 
 class FusedLoraForward:
-    """The forward installed on one PEFT LoRA linear (an instance attribute; the class is untouched).
+    """The forward installed on one PEFT LoRA linear (an instance attribute; the class is untouched)."""
 
-    Args:
-        layer: The LoRA linear.
-        one_node: Run an NF4 base and its update as one autograd node where that applies
-            (NOTE [ One node per NF4 projection ] in nf4_lora.py).
-    """
-
-    def __init__(self, layer: LoraLayer, one_node: bool = False) -> None:
+    def __init__(self, layer: LoraLayer) -> None:
         self.layer = layer
-        self.one_node = one_node
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """PEFT's LoRA forward with each active adapter's update added inside its second matmul."""
@@ -67,13 +68,6 @@ class FusedLoraForward:
         layer._check_forward_args(x, *args, **kwargs)
         for key in VARIANT_KWARG_KEYS:  # as PEFT does: variants' arguments never reach the base layer
             kwargs.pop(key, None)
-        if self.one_node and not args and not kwargs:
-            adapter = self._one_node_adapter(x)
-            if adapter is not None:
-                return nf4_lora(
-                    x, layer.base_layer, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                    layer.scaling[adapter],
-                )  # fmt: skip
         result = layer.base_layer(x, *args, **kwargs)
         for name in layer.active_adapters:
             if name not in layer.lora_A:
@@ -87,36 +81,16 @@ class FusedLoraForward:
             result = _add_product(result, product, lora_b.weight, layer.scaling[name])
         return result
 
-    def _one_node_adapter(self, x: Tensor) -> str | None:
-        """The adapter to run in one node with the base, or ``None`` where that would change what is computed.
-
-        One active adapter without dropout (dropout feeds the adapter another tensor than the base), whose first
-        matmul runs in ``x``'s dtype here as in the loop above: under autocast to ``x``'s dtype, or without
-        autocast with the adapter in ``x``'s dtype; and an NF4 base computing in ``x``'s dtype.
-        """
-        layer = self.layer
-        active = [name for name in layer.active_adapters if name in layer.lora_A]
-        if len(active) != 1 or not isinstance(layer.lora_dropout[active[0]], nn.Identity):
-            return None
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            same_dtype = torch.get_autocast_dtype(device) == x.dtype
-        else:
-            same_dtype = layer.lora_A[active[0]].weight.dtype == layer.lora_B[active[0]].weight.dtype == x.dtype
-        return active[0] if same_dtype and takes_one_node(layer.base_layer, x) else None
-
 
 def _add_product(result: Tensor, product: Tensor, weight_b: Tensor, scaling: float) -> Tensor:
     """``result + scaling * product @ weight_b.T``, one ``addmm`` in ``result``'s dtype (NOTE [ Fused LoRA update ])."""
     width = result.shape[-1]
     # Outside autocast: in the base output's own dtype, so an fp32 output (fp32 hidden states over an NF4 base)
     # stays fp32 as under PEFT's forward; a bf16 one runs the bf16 GEMM autocast would have run.
+    # In place (NOTE [ The update added in place ]): an out-of-place addmm copies its addend into a new output first.
     with torch.autocast(result.device.type, enabled=False):
-        fused = torch.addmm(
-            result.reshape(-1, width),
-            product.reshape(-1, product.shape[-1]).to(result.dtype),
-            weight_b.t().to(result.dtype),
-            alpha=scaling,
+        fused = result.reshape(-1, width).addmm_(
+            product.reshape(-1, product.shape[-1]).to(result.dtype), weight_b.t().to(result.dtype), alpha=scaling
         )
     return fused.view(result.shape)
 
@@ -133,7 +107,7 @@ def lora_variants_in(model: nn.Module) -> list[str]:
     )
 
 
-def use_fused_lora(model: nn.Module, one_node: bool = False) -> int:
+def use_fused_lora(model: nn.Module) -> int:
     """Add every LoRA linear's update inside its second matmul (NOTE [ Fused LoRA update ]).
 
     Call it where the module builds its model, after the adapters are added, so that every strategy trains the
@@ -143,9 +117,6 @@ def use_fused_lora(model: nn.Module, one_node: bool = False) -> int:
     Args:
         model: A PEFT model (or a module holding one) with LoRA adapters on linear layers (dense or
             bitsandbytes 4-bit bases).
-        one_node: Also run each NF4 base projection and its update as one autograd node, whose backward adds the
-            adapter's share of the input's gradient inside a GEMM (NOTE [ One node per NF4 projection ]); adapters
-            with dropout keep the separate nodes.
 
     Returns:
         How many LoRA linears now add their update in one ``addmm``.
@@ -178,7 +149,7 @@ def use_fused_lora(model: nn.Module, one_node: bool = False) -> int:
                 " 'fused_lora'), or use plain LoRA (`LoraConfig(use_dora=False, lora_bias=False)`)."
             )
     for layer in layers:
-        layer.forward = FusedLoraForward(layer, one_node)
+        layer.forward = FusedLoraForward(layer)
     return len(layers)
 
 

@@ -15,7 +15,6 @@ from torch import nn
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.kernels.fused_lora import use_fused_lora
-from lightning_blockwise.kernels.nf4_lora import Nf4LoraFunction
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     GPU_SHAPES,
@@ -41,7 +40,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return request.param, save_gpu_shape(request.param, LAYERS, tmp_path_factory.mktemp(request.param))
 
 
-def _builder(path: Path, fused: bool, one_node: bool = False, dropout: float = 0.05) -> Callable[[], nn.Module]:
+def _builder(path: Path, fused: bool) -> Callable[[], nn.Module]:
     """NF4 base, LoRA r16 with dropout on every projection; the fused update installed when ``fused``.
 
     ``lora_B`` starts random (seeded), not at PEFT's zeros, and the scaling is 1.5, not PEFT's alpha/r of 2: on the
@@ -49,7 +48,7 @@ def _builder(path: Path, fused: bool, one_node: bool = False, dropout: float = 0
     output), and again with random B and scaling 2 (test_fused_lora_rounds_like_peft_on_the_gpu measures this), so
     the control would not see the switch.
     """
-    build = nf4_lora_builder(path, DEFAULT_TARGETS, r=16, lora_dropout=dropout)
+    build = nf4_lora_builder(path, DEFAULT_TARGETS, r=16)
 
     def with_switch() -> nn.Module:
         model = build()
@@ -62,7 +61,7 @@ def _builder(path: Path, fused: bool, one_node: bool = False, dropout: float = 0
             if isinstance(getattr(layer, "scaling", None), dict):
                 layer.scaling = dict.fromkeys(layer.scaling, SCALING)
         if fused:
-            assert use_fused_lora(model, one_node=one_node) == LAYERS * len(DEFAULT_TARGETS)
+            assert use_fused_lora(model) == LAYERS * len(DEFAULT_TARGETS)
         return model
 
     return with_switch
@@ -85,31 +84,6 @@ def test_deterministic_fused_lora_blockwise_equals_resident_and_control(checkpoi
     assert runs_differ(resident, plain), "control: the fused update on and off must differ"
     delta = max((a - b).abs().item() for a, b in zip(resident.losses, plain.losses, strict=True))
     print(f"[gpu fused lora] {name}: fused vs PEFT's forward, largest loss difference {delta:.3g} (rounding)")
-
-
-def test_deterministic_one_node_blockwise_equals_resident_and_control(
-    checkpoint: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One autograd node per NF4 projection (NOTE [ One node per NF4 projection ]), adapters without dropout."""
-    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":4096:8":
-        pytest.skip("deterministic mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set for the whole process")
-    name, path = checkpoint
-    calls: list[int] = []
-    apply = Nf4LoraFunction.apply
-    monkeypatch.setattr(Nf4LoraFunction, "apply", lambda *args: calls.append(1) or apply(*args))
-    one_node = _builder(path, fused=True, one_node=True, dropout=0.0)
-    resident = fit_on_gpu(one_node, "auto", STEPS, ACCUMULATE, SEQ)
-    assert len(calls) == STEPS * ACCUMULATE * LAYERS * len(DEFAULT_TARGETS), "every projection runs as one node"
-    blockwise = fit_on_gpu(one_node, "blockwise", STEPS, ACCUMULATE, SEQ)
-    assert_equal_runs(resident, blockwise)
-    kept = fit_on_gpu(one_node, BlockwiseStrategy(), STEPS, ACCUMULATE, SEQ)
-    assert_equal_runs(resident, kept)
-    print(f"[gpu fused lora] {name}: one node, streamed and kept blockwise == resident ({STEPS} steps x {ACCUMULATE})")
-    # Control: the separate nodes round the input's gradient twice.
-    calls.clear()
-    separate = fit_on_gpu(_builder(path, fused=True, dropout=0.0), "auto", STEPS, ACCUMULATE, SEQ)
-    assert not calls
-    assert runs_differ(resident, separate), "control: one node and separate nodes must differ"
 
 
 @pytest.mark.parametrize("scaling", [2.0, 1.5])

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.kernels.fused_lora import (
     FusedLoraForward,
+    _add_product,
     fused_lora_in,
     unuse_fused_lora,
     use_fused_lora,
@@ -209,3 +210,18 @@ def test_several_active_adapters_and_an_fp32_adapter_on_a_bf16_model() -> None:
         assert output.dtype == peft_bf16[name].dtype == torch.bfloat16
     for name, output in _first(fused_bf16).items():
         torch.testing.assert_close(output, peft_bf16[name], rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_update_is_added_in_place_with_the_out_of_place_bits(dtype: torch.dtype) -> None:
+    """NOTE [ The update added in place ]: the base output is written, not copied, and the bits are addmm's."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 24, 48, generator=generator).to(dtype)
+    product = torch.randn(2, 24, 4, generator=generator).to(dtype)
+    weight_b = torch.randn(48, 4, generator=generator)
+    expected = torch.addmm(base.reshape(-1, 48), product.reshape(-1, 4), weight_b.t().to(dtype), alpha=1.5)
+    address = base.data_ptr()
+    fused = _add_product(base, product, weight_b, 1.5)
+    assert torch.equal(fused, expected.view(2, 24, 48))
+    assert fused.data_ptr() == address  # no new output
+    assert expected.data_ptr() != address  # control: the out-of-place addmm allocates one
