@@ -44,14 +44,17 @@ from torch import Tensor, nn
 # factored DoRA norm (adapters/dora_norm.py).
 #
 # NOTE [ The update added in place ]
-# ``torch.addmm(base, ...)`` with a 2-D addend copies ``base`` into a new output and then runs the GEMM with beta=1
-# on it (cuBLAS reads and writes C in place); ``base.addmm_(...)`` runs the same GEMM on ``base`` itself, so the
-# bits are the same and the copy is gone. That copy was one pass over each projection's output per forward: the
-# profile of a 7B step at 16k tokens showed 7 device-to-device copies per layer per forward, 0.4 ms each for the
-# MLP's 16k x 18944 outputs, in which the GPU computed nothing (benchmarks/RESULTS.md, session of 2026-11-26 11:42;
-# `benchmarks/peer_arms/gaps.py`). The base output is a fresh tensor that no autograd node saved (bitsandbytes'
-# ``MatMul4Bit`` and a dense linear keep their input, not their output), so writing into it is safe; the version
-# counter would make autograd refuse any node that had.
+# ``torch.addmm(base, ...)`` with a 2-D addend copies ``base`` into a new output, then runs the GEMM with beta=1 on
+# it (cuBLAS reads and writes C in place); ``base.addmm_(...)`` runs the same GEMM on ``base`` itself: the same bits,
+# and no copy. The copy was one pass over each projection's output per forward, 7 device-to-device copies per layer
+# (0.4 ms each for the MLP's 16k x 18944 outputs at the 7B shape) in which the GPU computed nothing: they were the
+# GPU's idle time in the profile of a step (benchmarks/RESULTS.md, session of 2026-11-26 11:42;
+# `benchmarks/peer_arms/gaps.py`). Writing into the base output is safe: it is a fresh tensor that no autograd node
+# saved (bitsandbytes' ``MatMul4Bit`` and a dense linear keep their input, not their output), and the version
+# counter would make autograd refuse any node that had. The base layer gets its input as a 2-D matrix, the same
+# GEMM: a linear of a 3-D input returns a view of its 2-D product, and where that view is made inside a custom
+# Function (bitsandbytes' dequantize-and-linear path past 1536 rows) autograd forbids writing into it. A base output
+# that is a view all the same gets the out-of-place ``addmm``.
 
 
 class FusedLoraForward:
@@ -68,7 +71,9 @@ class FusedLoraForward:
         layer._check_forward_args(x, *args, **kwargs)
         for key in VARIANT_KWARG_KEYS:  # as PEFT does: variants' arguments never reach the base layer
             kwargs.pop(key, None)
-        result = layer.base_layer(x, *args, **kwargs)
+        # A 2-D input, so that the output is the base's own tensor, not a view it made of it (NOTE [ The update
+        # added in place ]); the same GEMM either way.
+        result = layer.base_layer(x.reshape(-1, x.shape[-1]), *args, **kwargs)
         for name in layer.active_adapters:
             if name not in layer.lora_A:
                 continue
@@ -79,20 +84,21 @@ class FusedLoraForward:
                 x = layer._cast_input_dtype(x, lora_a.weight.dtype)
             product = lora_a(layer.lora_dropout[name](x))
             result = _add_product(result, product, lora_b.weight, layer.scaling[name])
-        return result
+        return result.view(*x.shape[:-1], result.shape[-1])
 
 
 def _add_product(result: Tensor, product: Tensor, weight_b: Tensor, scaling: float) -> Tensor:
-    """``result + scaling * product @ weight_b.T``, one ``addmm`` in ``result``'s dtype (NOTE [ Fused LoRA update ])."""
-    width = result.shape[-1]
+    """``result + scaling * product @ weight_b.T`` for a 2-D ``result``, one ``addmm`` in its dtype.
+
+    NOTE [ Fused LoRA update ]; in place where ``result`` is no view (NOTE [ The update added in place ]).
+    """
+    product = product.reshape(-1, product.shape[-1]).to(result.dtype)
     # Outside autocast: in the base output's own dtype, so an fp32 output (fp32 hidden states over an NF4 base)
     # stays fp32 as under PEFT's forward; a bf16 one runs the bf16 GEMM autocast would have run.
-    # In place (NOTE [ The update added in place ]): an out-of-place addmm copies its addend into a new output first.
     with torch.autocast(result.device.type, enabled=False):
-        fused = result.reshape(-1, width).addmm_(
-            product.reshape(-1, product.shape[-1]).to(result.dtype), weight_b.t().to(result.dtype), alpha=scaling
-        )
-    return fused.view(result.shape)
+        if result._is_view():  # autograd forbids writing into a view a custom Function returned
+            return torch.addmm(result, product, weight_b.t().to(result.dtype), alpha=scaling)
+        return result.addmm_(product, weight_b.t().to(result.dtype), alpha=scaling)
 
 
 def _lora_linears(model: nn.Module) -> list[LoraLayer]:

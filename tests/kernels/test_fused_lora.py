@@ -216,12 +216,34 @@ def test_several_active_adapters_and_an_fp32_adapter_on_a_bf16_model() -> None:
 def test_the_update_is_added_in_place_with_the_out_of_place_bits(dtype: torch.dtype) -> None:
     """NOTE [ The update added in place ]: the base output is written, not copied, and the bits are addmm's."""
     generator = torch.Generator().manual_seed(0)
-    base = torch.randn(2, 24, 48, generator=generator).to(dtype)
+    base = torch.randn(48, 64, generator=generator).to(dtype)
     product = torch.randn(2, 24, 4, generator=generator).to(dtype)
-    weight_b = torch.randn(48, 4, generator=generator)
-    expected = torch.addmm(base.reshape(-1, 48), product.reshape(-1, 4), weight_b.t().to(dtype), alpha=1.5)
+    weight_b = torch.randn(64, 4, generator=generator)
+    expected = torch.addmm(base, product.reshape(-1, 4), weight_b.t().to(dtype), alpha=1.5)
     address = base.data_ptr()
     fused = _add_product(base, product, weight_b, 1.5)
-    assert torch.equal(fused, expected.view(2, 24, 48))
-    assert fused.data_ptr() == address  # no new output
+    assert torch.equal(fused, expected) and fused.data_ptr() == address  # no new output
     assert expected.data_ptr() != address  # control: the out-of-place addmm allocates one
+
+
+class _ViewReturningLinear(torch.autograd.Function):
+    """A base that returns a view of its product made inside the Function, as bitsandbytes' 3-D path does."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[None, None]:  # type: ignore[override]
+        return None, None
+
+
+def test_a_base_output_made_a_view_in_a_custom_function_is_not_written() -> None:
+    """Such a view refuses in-place writes (the control); the update then takes the out-of-place addmm."""
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    weight, product, weight_b = torch.randn(16, 8), torch.randn(6, 4), torch.randn(16, 4)
+    view = _ViewReturningLinear.apply(x, weight).reshape(-1, 16)
+    with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+        _ViewReturningLinear.apply(x, weight).reshape(-1, 16).addmm_(product, weight_b.t())
+    fused = _add_product(view, product, weight_b, 2.0)
+    assert torch.equal(fused, torch.addmm(view, product, weight_b.t(), alpha=2.0))
