@@ -199,7 +199,10 @@ def device_events(prof: Any) -> list[tuple[str, float, float]]:
     found = [
         (event.name, float(event.time_range.start), float(event.time_range.end))
         for event in prof.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.end > event.time_range.start
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and event.time_range.end > event.time_range.start
+        # With CPU activity on, a range such as ``Optimizer.step#AdamW.step`` is mirrored on the device's timeline.
+        and not getattr(event, "is_user_annotation", False)
     ]
     return sorted(found, key=lambda e: e[1])
 

@@ -265,9 +265,11 @@ def test_kernel_kinds_count_each_kernel_once() -> None:
     assert {name: measure.kernel_kind(name) for name in kinds} == kinds
 
 
-def _event(name: str, start: float, end: float, device: str = "CUDA") -> SimpleNamespace:
+def _event(name: str, start: float, end: float, device: str = "CUDA", annotation: bool = False) -> SimpleNamespace:
     kind = getattr(torch.autograd.DeviceType, device)
-    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(
+        name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end), is_user_annotation=annotation
+    )
 
 
 def test_step_profile_splits_a_step_on_two_streams() -> None:
@@ -278,6 +280,8 @@ def test_step_profile_splits_a_step_on_two_streams() -> None:
         _event("Memcpy HtoD (Pinned -> Device)", 0.0, 3000.0),  # a copy engine's: no kernel, not busy
         _event("aten::mm", 0.0, 5000.0, device="CPU"),  # a CPU event: not the GPU's
         _event("cudaLaunchKernel", 50.0, 60.0, device="CPU"),
+        # With CPU activity on, a user range mirrored on the device's timeline: no kernel.
+        _event("Optimizer.step#AdamW.step", 0.0, 4000.0, annotation=True),
     ]
     row = measure.step_profile(SimpleNamespace(events=lambda: events))
     assert row["step_kernels_ms"] == {"attention": 0.0, "gemm": 1.8, "dequantize": 0.0, "loss": 0.0, "triton": 0.5,
