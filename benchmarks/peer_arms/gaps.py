@@ -18,8 +18,10 @@ import bisect
 from collections import defaultdict
 from typing import Any
 
-#: Host calls that block until the device (or a stream, an event) is done.
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy")
+#: Host calls that block until the device (or a stream, an event) is done, matched as name prefixes. ``cudaMemcpy``
+#: also matches ``cudaMemcpyAsync``, which blocks only for pageable host memory: it is listed so the report shows
+#: where copies are launched (how the fused update's device copies were found), not as a sync.
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 #: Device events that are work on the GPU's compute engines.
 BUSY = ("kernel", "gpu_memset")
 #: Host calls that launch device work (the runtime's and the driver's, which cuBLAS and cuDNN use).
@@ -63,7 +65,8 @@ def gap_report(trace: dict[str, Any], min_gap_us: float = 20.0, depth: int = 3, 
     Returns:
         ``window_ms``, ``busy_ms``, ``idle_ms`` (in gaps of at least ``min_gap_us``), ``host_late_ms``,
         ``device_wait_ms``, ``gaps``; ``host_late_by_stack`` and ``after_sync`` (``[cause, ms, gaps]``, largest first);
-        ``syncs`` (each blocking host call: count and ms the host spent in it); ``largest`` gaps.
+        ``syncs`` (each :data:`SYNCS` call by where it was made: count and ms the host spent in it); ``largest``
+        gaps.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     busy = sorted((e for e in events if e.get("cat") in BUSY), key=lambda e: e["ts"])
