@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.dora import DoraLinearLayer
 from peft.utils.integrations import dequantize_module_weight
 from peft.utils.other import transpose
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 # NOTE [ Factored DoRA norm ]
 # PEFT 0.21's DoRA forward (``DoraLinearLayer.forward``) forms the dense ``B A`` (``d_out x d_in``, whatever the
@@ -29,15 +33,37 @@ from torch import Tensor, nn
 # measured deviation); it is the module's choice, applied under every strategy, and blockwise == resident holds
 # for it.
 
+# NOTE [ The cached base norm follows the base ]
+# ``||W||_row^2`` is kept because W is frozen, but frozen is not constant: a full-state checkpoint of another base
+# loaded into the module (`BlockwiseStrategy(save_frozen_base=True)` writes its decoder tensors into the host copy,
+# then loads the rest with `load_state_dict`), or a weight copied in place, changes W under the cache, and the
+# norm of the old base would rescale every row of the new one. So the cache is dropped (1) by a load-state-dict
+# post-hook on the base layer, which every `load_state_dict` that reaches the base runs (whichever of its tensors
+# the state dict holds, and whether they were written into the module or, under blockwise, into the host copy),
+# and (2) when the base weight is another object or its version counter moved (an in-place `copy_`). Streaming
+# rebinds a weight's data (`param.data = view`), which moves neither, so the cache survives the blocks' refills.
+# Dropping it costs one norm of W at the next forward and gives the same bits while W is unchanged.
+
 
 class FactoredDoraNorm:
-    """The forward installed on one ``DoraLinearLayer`` (an instance attribute; the class is untouched)."""
+    """The forward installed on one ``DoraLinearLayer`` (an instance attribute; the class is untouched).
 
-    def __init__(self, layer: DoraLinearLayer) -> None:
+    Args:
+        layer: The DoRA layer (its ``weight`` is the magnitude vector).
+        base_layer: The frozen linear it scales; its loads drop the cached base norm
+            (NOTE [ The cached base norm follows the base ]). ``None``: only a new or changed weight does.
+    """
+
+    def __init__(self, layer: DoraLinearLayer, base_layer: nn.Module | None = None) -> None:
         self.layer = layer
         #: ``||W||_row^2`` (fp32, ``d_out``) of the frozen base, on the magnitude's device; ``None`` until the
-        #: first forward reads W.
+        #: first forward reads W, and again after the base changed.
         self.base_sq: Tensor | None = None
+        # The base weight `base_sq` was taken from, and its version counter then.
+        self._source: tuple[weakref.ref[Tensor], int] | None = None
+        self._load_hook: RemovableHandle | None = None
+        if base_layer is not None:
+            self._load_hook = base_layer.register_load_state_dict_post_hook(self._base_loaded)
 
     def __call__(
         self,
@@ -52,6 +78,7 @@ class FactoredDoraNorm:
     ) -> Tensor:
         """PEFT's DoRA output on top of the base output, the row norm from factors (NOTE [ Factored DoRA norm ])."""
         magnitude = self.layer.weight
+        self._follow(base_layer.weight)
         weight = dequantize_module_weight(base_layer).to(x.dtype)
         weight_norm = self.norm(transpose(weight, self.layer.fan_in_fan_out), lora_A.weight, lora_B.weight, scaling)
         weight_norm = weight_norm.to(x.dtype)
@@ -80,6 +107,24 @@ class FactoredDoraNorm:
             squared = self.base_sq.to(weight.device) + 2 * scaling * cross + scaling**2 * gram
             return squared.clamp_min(0).sqrt()
 
+    def remove(self) -> None:
+        """Remove the load hook from the base layer (when the layer gets PEFT's dense norm back)."""
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None
+
+    def _follow(self, weight: Tensor) -> None:
+        """Drop the cached base norm if ``weight`` is not the tensor, or not the version, it was taken from."""
+        source = self._source
+        if source is None or source[0]() is not weight or source[1] != weight._version:
+            self.base_sq = None
+            self._source = (weakref.ref(weight), weight._version)
+
+    def _base_loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # NOTE [ The cached base norm follows the base ]: a load may have written W without touching the module.
+        self.base_sq = None
+        self._source = None
+
 
 def factor_dora_norms(model: nn.Module) -> int:
     """Compute every PEFT DoRA linear module's row norm from factors (NOTE [ Factored DoRA norm ]).
@@ -97,16 +142,24 @@ def factor_dora_norms(model: nn.Module) -> int:
         >>> model = get_peft_model(base, LoraConfig(r=256, use_dora=True))  # doctest: +SKIP
         >>> factor_dora_norms(model)  # doctest: +SKIP
     """
-    layers = [m for m in model.modules() if type(m) is DoraLinearLayer]
-    for layer in layers:
-        unfactor(layer)
-        layer.forward = FactoredDoraNorm(layer)
-    return len(layers)
+    count = 0
+    for lora in model.modules():
+        magnitudes = getattr(lora, "lora_magnitude_vector", None)
+        if not isinstance(magnitudes, nn.ModuleDict):
+            continue
+        for layer in magnitudes.values():
+            if type(layer) is DoraLinearLayer:
+                unfactor(layer)
+                layer.forward = FactoredDoraNorm(layer, lora.get_base_layer())
+                count += 1
+    return count
 
 
 def unfactor(layer: nn.Module) -> None:
     """Give a DoRA layer PEFT's dense norm back (no-op if it is not factored)."""
-    if isinstance(vars(layer).get("forward"), FactoredDoraNorm):
+    factored = vars(layer).get("forward")
+    if isinstance(factored, FactoredDoraNorm):
+        factored.remove()
         del layer.forward
 
 

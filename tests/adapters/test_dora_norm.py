@@ -158,3 +158,67 @@ def test_factored_parity_and_control(model_type: str, quantized: bool, checkpoin
     # Control: the same run on PEFT's dense norm differs (by rounding).
     dense = fit(CausalLMModule(lambda: _build(model_type, checkpoint, quantized, factored=False)), "blockwise")
     assert runs_differ(resident, dense)
+
+
+def _other_base(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s full state dict with another base weight (same shape), as another base's checkpoint holds it."""
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(1)
+    state["base_model.model.proj.base_layer.weight"] = torch.randn(D_OUT, D_IN, generator=generator)
+    return state
+
+
+def _after_change(factored: bool, change: str) -> torch.Tensor:
+    """The output after a forward over the first base, then the base changed by ``change``, then a forward."""
+    model = _dora_linear()
+    if factored:
+        factor_dora_norms(model)
+    x = torch.randn(4, D_IN, generator=torch.Generator().manual_seed(2))
+    model(x)  # the factored norm caches ||W||_row^2 of the first base here
+    state = _other_base(model)
+    weight = model.base_model.model.proj.base_layer.weight
+    if change == "load":
+        model.load_state_dict(state)
+    elif change == "in_place":
+        with torch.no_grad():
+            weight.copy_(state.pop("base_model.model.proj.base_layer.weight"))
+    else:
+        # As a blockwise full-state load does: the base written where it lives (the host copy), which moves no
+        # version counter, then the rest loaded into the module.
+        weight.data.copy_(state.pop("base_model.model.proj.base_layer.weight"))
+        model.load_state_dict(state, strict=False)
+    return model(x)
+
+
+def _fresh(factored: bool) -> torch.Tensor:
+    """The output of a module built over the other base from the start."""
+    model = _dora_linear()
+    model.load_state_dict(_other_base(model))
+    if factored:
+        factor_dora_norms(model)
+    return model(torch.randn(4, D_IN, generator=torch.Generator().manual_seed(2)))
+
+
+@pytest.mark.parametrize("change", ["load", "in_place", "host_copy"])
+def test_the_cached_base_norm_follows_a_new_base(change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ The cached base norm follows the base ]: a load of another base (a full-state checkpoint), or a weight
+    # copied in place, gives what a module built over that base gives, bit for bit.
+    assert torch.equal(_after_change(factored=True, change=change), _fresh(factored=True))
+    # The dense-norm control has no cache and is equal too.
+    assert torch.equal(_after_change(factored=False, change=change), _fresh(factored=False))
+    # Control: with the cache kept whatever happens to the base (as before it followed the base), it differs.
+    monkeypatch.setattr(FactoredDoraNorm, "_follow", lambda self, weight: None)
+    monkeypatch.setattr(FactoredDoraNorm, "_base_loaded", lambda self, module, keys: None)
+    assert not torch.equal(_after_change(factored=True, change=change), _fresh(factored=True))
+
+
+def test_unfactor_removes_the_load_hook() -> None:
+    model = _dora_linear()
+    base_layer = model.base_model.model.proj.base_layer
+    before = len(base_layer._load_state_dict_post_hooks)
+    factor_dora_norms(model)
+    factor_dora_norms(model)  # installing twice keeps one hook
+    assert len(base_layer._load_state_dict_post_hooks) == before + 1
+    (layer,) = _dora_layers(model)
+    unfactor(layer)
+    assert len(base_layer._load_state_dict_post_hooks) == before
