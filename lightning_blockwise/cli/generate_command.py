@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,8 +146,20 @@ def _checkpoint_arguments(path: Path) -> dict[str, Any]:
     """The ``CausalLMFineTune`` hyperparameters saved in the ``.ckpt`` at ``path``."""
     if not path.is_file():
         raise ValueError(f"--ckpt {path} does not exist. Give a .ckpt a CausalLMFineTune run saved.")
-    # A Lightning checkpoint pickles its hyperparameters; the user's own file, read as Lightning reads it.
-    saved = torch.load(path, map_location="cpu", weights_only=False).get("hyper_parameters") or {}
+    # Weights-only, as Lightning reads a local checkpoint: unpickling anything more could run code from the file
+    # (NOTE [ No code from checkpoint files ] in strategy/checkpoint_files.py). Memory-mapped: a full-state
+    # checkpoint's base is not read into RAM to get at its hyperparameters.
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"--ckpt {path} holds objects that a weights-only load refuses ({str(error).strip().splitlines()[0]}):"
+            " unpickling them could run code from the file, so it is not read. Give a checkpoint a CausalLMFineTune"
+            " run saved, or export its adapter as a PEFT directory and give it as --adapter with the base."
+        ) from None
+    except (RuntimeError, OSError, EOFError) as error:
+        raise ValueError(f"--ckpt {path} is not a readable checkpoint ({type(error).__name__}: {error}).") from None
+    saved = (saved.get("hyper_parameters") if isinstance(saved, dict) else None) or {}
     known = set(inspect.signature(CausalLMFineTune).parameters)
     if "checkpoint" not in saved:
         raise ValueError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -21,19 +22,23 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_blockwise.compat.processes import host_name, process_exists, writer_tag
 
 
-def check_checkpoint_file(path: str | Path | None) -> None:
+def check_checkpoint_file(path: str | Path | None, weights_only: bool | None = None) -> None:
     """Refuse a ``ckpt_path`` that is not a Lightning checkpoint, naming the file and the problem.
 
     Run before any model work: torch and Lightning otherwise fail deep inside the load (``OSError: [Errno 22]``,
     ``EOFError``, ``KeyError: 101``) or only after the base is packed (a file without Lightning's keys). The file
-    is opened memory-mapped, so a full-state checkpoint is not read into memory here.
+    is opened memory-mapped, so a full-state checkpoint is not read into memory here, and read with
+    ``weights_only=True`` (NOTE [ No code from checkpoint files ]).
 
     Args:
         path: The ``ckpt_path`` given to ``fit``/``validate``/...; ``None``: nothing to check (URLs: Lightning).
+        weights_only: What the caller passed to ``fit``/``validate``/...: ``False`` says the user trusts the file,
+            and one that a weights-only load refuses is then left to Lightning's own load; ``None`` or ``True``
+            refuses it here.
 
     Raises:
-        MisconfigurationException: If the file is missing, empty, truncated, not a ``torch.save`` file, or holds no
-            Lightning checkpoint.
+        MisconfigurationException: If the file is missing, empty, truncated, not a ``torch.save`` file, holds objects
+            a weights-only load refuses (unless ``weights_only=False``), or holds no Lightning checkpoint.
     """
     if path is None or "://" in str(path):
         return
@@ -49,7 +54,16 @@ def check_checkpoint_file(path: str | Path | None) -> None:
             f" truncated (an interrupted copy or write) or of another format. {fix}"
         )
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if weights_only is False:
+            return  # the user vouched for the file; Lightning's own load reads it as asked
+        raise MisconfigurationException(
+            f"`ckpt_path` {str(path)!r} holds objects that a weights-only load refuses"
+            f" ({_first_line(error)}): unpickling them could run code from the file, so it is not read. A checkpoint"
+            " of this package or of plain Lightning loads weights-only; re-save this one with tensors, numbers and"
+            " strings only, or, if you trust the file, pass `weights_only=False` to `fit`/`validate`/`test`/`predict`."
+        ) from None
     except Exception as error:  # Any failure to read it is the file's problem: said with its name.
         raise MisconfigurationException(f"`ckpt_path` {str(path)!r} cannot be read: {error!r}. {fix}") from None
     missing = [key for key in _LIGHTNING_KEYS if not (isinstance(checkpoint, Mapping) and key in checkpoint)]
@@ -59,6 +73,20 @@ def check_checkpoint_file(path: str | Path | None) -> None:
             f"`ckpt_path` {str(path)!r} is not a Lightning checkpoint: it lacks {missing} (it holds {found}; a bare"
             f" `state_dict` or an adapter file?). {fix}"
         )
+
+
+# NOTE [ No code from checkpoint files ]
+# A `.ckpt` is a pickle, and unpickling runs whatever callables the file names: a crafted file given as
+# `--ckpt_path` ran `os.system` in this check (then `weights_only=False`) before Lightning's own load refused it.
+# So every read of a user-given file here is `weights_only=True`, whose unpickler admits tensors, containers,
+# numbers and strings only; Lightning's load of a local file is weights-only by default too (torch >= 2.6), so a
+# file it would accept passes here. Only an explicit `weights_only=False` from the user lets such a file through,
+# to Lightning's load, unread by us.
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of torch's weights-only refusal (the rest is a tutorial on safe globals)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 # What every checkpoint Lightning writes for training holds.

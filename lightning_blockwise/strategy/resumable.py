@@ -71,7 +71,7 @@ class ResumableStrategy(DataParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         # A bad `ckpt_path` fails naming the file and the problem, not deep inside torch's unpickler.
-        check_checkpoint_file(checkpoint_path)
+        check_checkpoint_file(checkpoint_path, weights_only)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
