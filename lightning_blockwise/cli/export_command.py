@@ -50,6 +50,8 @@ def export_command(args: list[str] | None = None) -> Path:
             merge_into_original=options.merge_into_original,
             device=options.device,
             compute_dtype=options.compute_dtype,
+            quantize=options.quantize,
+            allow_other_base=options.allow_other_base,
             max_shard_size=options.max_shard_size,
             overwrite=options.overwrite,
             progress=not options.quiet,
@@ -116,6 +118,30 @@ def _export_parser() -> argparse.ArgumentParser:
         help="The compute_dtype training loaded the base in, which decides its NF4 bytes (default: the one the"
         " adapter records, a .ckpt's or an adapter directory's lightning_blockwise.json; else bfloat16, with a"
         " warning). One that differs from the record warns: the merge is then not the model trained.",
+    )
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument(
+        "--dense-base",
+        dest="quantize",
+        action="store_const",
+        const=False,
+        help="Merge into the dense base (the checkpoint's weights in the compute dtype), as"
+        " `CausalLMFineTune(quantize=False)` trained (default: the format the adapter records, else NF4). One that"
+        " differs from the record warns: the merge is then not the model trained.",
+    )
+    formats.add_argument(
+        "--nf4-base",
+        dest="quantize",
+        action="store_const",
+        const=True,
+        help="Merge into the NF4-quantized base, as `CausalLMFineTune()` trains by default (default: the format the"
+        " adapter records, else NF4).",
+    )
+    parser.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="Merge into a BASE whose config or weights differ from the base the adapter records, with a warning"
+        " (default: refused; the export would not be the model trained).",
     )
     parser.add_argument(
         "--max-shard-size",

@@ -20,7 +20,7 @@ from lightning_blockwise.export.leftovers import clean_leftovers, scratch_direct
 from lightning_blockwise.export.model_card import CONFIG_KEY, COPIED_FILES
 from lightning_blockwise.export.shards import INDEX_FILE, SINGLE_FILE
 from lightning_blockwise.export.trained_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from lightning_blockwise.export.training_record import TRAINING_RECORD, write_training_record
+from lightning_blockwise.export.training_record import TRAINING_RECORD, TrainingRecord, write_training_record
 
 # The files of a PEFT adapter directory an export or a fine-tuning run writes (PEFT adds a model card, we the
 # training record: NOTE [ The training record of an adapter ] in export/training_record.py).
@@ -120,7 +120,12 @@ def previous_export(path: str | Path) -> str | None:
 
 
 def export_adapter(
-    model: PeftModel, target: str | Path, overwrite: bool = False, *, compute_dtype: str | torch.dtype | None = None
+    model: PeftModel,
+    target: str | Path,
+    overwrite: bool = False,
+    *,
+    compute_dtype: str | torch.dtype | None = None,
+    record: TrainingRecord | None = None,
 ) -> Path:
     """Save ``model``'s PEFT adapter to ``target`` atomically (NOTE [ Atomic adapter export ]).
 
@@ -131,6 +136,8 @@ def export_adapter(
         compute_dtype: The dtype the base was loaded in for training, recorded beside the adapter so that
             ``export --merge`` quantizes the base as training did (NOTE [ The training record of an adapter ] in
             export/training_record.py); ``None`` writes no record, and a merge then warns.
+        record: The whole training record (compute dtype, NF4 or dense, the base's identity), written instead of
+            ``compute_dtype`` alone.
 
     Returns:
         Where the adapter was written: ``target``, or a fresh sibling if ``target`` gained files
@@ -146,8 +153,8 @@ def export_adapter(
     with staged_directory(target) as staging:
         # The embeddings are frozen; saying so also skips PEFT's look-up of the base's config on the Hub.
         model.save_pretrained(staging, save_embedding_layers=False)
-        if compute_dtype is not None:
-            write_training_record(staging, compute_dtype)
+        if record is not None or compute_dtype is not None:
+            write_training_record(staging, record if record is not None else compute_dtype)
     return target
 
 

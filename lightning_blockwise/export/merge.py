@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from tqdm.auto import tqdm
 
 from lightning_blockwise.export.adapter import check_export_target, staged_directory
 from lightning_blockwise.export.merge_plan import COMPUTE_DTYPES, DENSE_DTYPES, MergePlan, check_disk, plan_merge
+from lightning_blockwise.export.merge_settings import check_base
 from lightning_blockwise.export.model_card import write_model_files
 from lightning_blockwise.export.shards import ShardWriter
 from lightning_blockwise.export.sources import open_adapter
@@ -57,6 +57,8 @@ def export(
     merge_into_original: bool = False,
     device: str | torch.device = "cpu",
     compute_dtype: str | None = None,
+    quantize: bool | None = None,
+    allow_other_base: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     progress: bool = True,
@@ -85,6 +87,11 @@ def export(
             decides the NF4 bytes; ``None``: the one the adapter records (a checkpoint's hyperparameter, an adapter
             directory's ``lightning_blockwise.json``), else ``"bfloat16"`` with a warning. One other than the
             record is used, with a warning (NOTE [ The training record of an adapter ] in export/training_record.py).
+        quantize: Whether training loaded the base as NF4 (``True``) or dense (``False``, ``quantize=False``: the
+            merge adds the delta to the checkpoint's weights cast to the compute dtype); ``None``: what the adapter
+            records, else NF4. One other than the record is used, with a warning.
+        allow_other_base: Merge into a ``base`` whose config or weights differ from the base the adapter records
+            (NOTE [ The identity of a base ] in loading/base_identity.py), with a warning; otherwise refused.
         max_shard_size: The cap on each output shard (``"5GB"``, ``"500MiB"``, or bytes).
         overwrite: Replace the previous export ``target`` holds (atomically); never anything else.
         progress: Show a progress bar over the bytes written.
@@ -95,13 +102,15 @@ def export(
         ``target``.
 
     Warns:
-        UserWarning: If the adapter names another base than ``base``, or a merge quantizes the base in a compute
-            dtype the adapter does not record.
+        UserWarning: If the adapter names another base than ``base`` (another path where it records no identity,
+            another identity with ``allow_other_base``), or a merge loads the base in a compute dtype or a format the
+            adapter does not record.
 
     Raises:
         MisconfigurationException: If an argument is out of range, ``target`` overlaps an input or holds files
             without ``overwrite`` or other than a previous export, the adapter or base is missing, incomplete or
-            mismatched, the adapter uses a setting a merge does not support, or the disk lacks room for the output.
+            mismatched (another base than the recorded one, without ``allow_other_base``), the adapter uses a
+            setting a merge does not support, or the disk lacks room for the output.
     """
     target = Path(target)
     mode = _check_arguments(merge, merge_into_original, compute_dtype)
@@ -111,9 +120,10 @@ def export(
     with open_adapter(adapter) as trained:
         if mode != "none":
             trained.check_mergeable()
-        _warn_other_base(trained.trained_on, Path(base))
+        check_base(trained, Path(base), allow_other_base)
         # Planned for the adapter alone too: it checks the adapter against the base it names.
-        with plan_merge(trained, Path(base), mode, merge_into_original, torch_device, compute_dtype) as plan:
+        planned = plan_merge(trained, Path(base), mode, merge_into_original, torch_device, compute_dtype, quantize)
+        with planned as plan:
             if mode == "none":
                 with staged_directory(target) as staging:
                     trained.write_peft(staging, plan.base)
@@ -121,7 +131,8 @@ def export(
             check_disk(target, plan)
             if report is not None:
                 used = dtype_name(plan.compute_dtype)
-                report(f"{_OWNER}: merging with compute dtype {used} ({plan.compute_dtype_origin}).")
+                fmt = f"dense base ({plan.base_format_origin}), " if plan.dense_base else ""
+                report(f"{_OWNER}: merging with {fmt}compute dtype {used} ({plan.compute_dtype_origin}).")
             with staged_directory(target) as staging:
                 _write_weights(plan, staging, shard_cap, progress)
                 dtype = DENSE_DTYPES.get(mode, plan.compute_dtype)
@@ -190,6 +201,8 @@ def _merged(plan: MergePlan, key: str) -> dict[str, Tensor]:
         lora_a, lora_b = plan.adapter.weights(name, plan.device)
         delta = lora_delta(lora_a, lora_b, lora.scaling)
     module = plan.four_bit.get(key)
+    if plan.dense_base:
+        return _merged_dense(plan, key, module, delta)
     if module is None:
         replacement = plan.adapter.replacements.get(key)
         raw = plan.keys[key].get_tensor(key) if replacement is None else plan.adapter.read(replacement)
@@ -215,32 +228,43 @@ def _merged(plan: MergePlan, key: str) -> dict[str, Tensor]:
         return {key: value.to(DENSE_DTYPES[plan.mode]).cpu()}
 
 
-def _warn_other_base(trained_on: str | None, base: Path) -> None:
-    """Warn when the adapter names another base than ``base``: shapes and names match, but the weights may not."""
-    if trained_on is None or Path(trained_on).expanduser().resolve() == base.expanduser().resolve():
-        return
-    warnings.warn(
-        f"{_OWNER}: the adapter was trained on `{trained_on}`, and BASE is `{base}`. Their shapes and names match;"
-        " if BASE is another checkpoint (an instruct and a base model, say), the export is not the model that was"
-        " trained. The model card records both paths.",
-        UserWarning,
-        stacklevel=3,
-    )
+def _merged_dense(plan: MergePlan, key: str, module: Any, delta: Tensor | None) -> dict[str, Tensor]:
+    """One key of an adapter trained over the dense base: the checkpoint's tensor as training loaded it, plus delta.
+
+    Training loaded every floating tensor in the compute dtype (`from_pretrained(dtype=...)`,
+    `load_blockwise(quantize=False)`), so the trained weight is the checkpoint's cast to it; the sum with the
+    float32 delta is taken in float32, as for the NF4 base (NOTE [ What a merge adds ] in export/weights.py).
+    """
+    replacement = plan.adapter.replacements.get(key)
+    raw = plan.keys[key].get_tensor(key) if replacement is None else plan.adapter.read(replacement)
+    value = raw.to(plan.device)
+    if raw.is_floating_point() and not plan.into_original:
+        value = value.to(plan.compute_dtype)
+    if delta is not None:
+        value = value + delta
+    if plan.mode == "nf4" and module is not None:
+        return saved_entries(key, requantized(module, value, plan.device))
+    return {key: value.to(plan.output_dtype(raw)).cpu()}
 
 
 def _card_facts(plan: MergePlan) -> dict[str, Any]:
     """What the written ``config.json`` and ``README.md`` record about the merge."""
     return {
         "merge": plan.mode,
-        "merged_into": "original" if plan.into_original else "dequantized_nf4",
+        "merged_into": "original" if plan.into_original else "dense" if plan.dense_base else "dequantized_nf4",
         "compute_dtype": dtype_name(plan.compute_dtype),
         "compute_dtype_origin": plan.compute_dtype_origin,
+        # NF4 or dense: what the delta was added to (NOTE [ The training record of an adapter ]).
+        "base_format": "dense" if plan.dense_base else "nf4",
+        "base_format_origin": plan.base_format_origin,
+        "trained_base_format": {None: None, True: "nf4", False: "dense"}[plan.adapter.quantize],
         # What the adapter says training used, `None` if it does not say (NOTE [ The training record of an adapter ]).
         "trained_compute_dtype": None if plan.adapter.compute_dtype is None else dtype_name(plan.adapter.compute_dtype),
         "device": plan.device.type,
         "adapter": str(plan.adapter.source.resolve()),
         "base": str(plan.base.resolve()),
         "trained_on": plan.adapter.trained_on,
+        "trained_on_identity": None if plan.adapter.base_identity is None else plan.adapter.base_identity.to_dict(),
         "pre_quantized_base": plan.pre_quantized,
         "adapted_linears": len(plan.adapter.modules),
         "tensors_saved_with_the_adapter": sorted(plan.adapter.replacements),

@@ -9,7 +9,6 @@ before any of it is done.
 from __future__ import annotations
 
 import shutil
-import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -23,9 +22,10 @@ from torch import Tensor
 from transformers import BitsAndBytesConfig
 
 from lightning_blockwise.compat.bitsandbytes import SAVED_STATE_JSON, Nf4Format, is_4bit_weight
+from lightning_blockwise.export.merge_settings import merge_settings, warn_settings
 from lightning_blockwise.export.shards import PlannedTensor
 from lightning_blockwise.export.trained_adapter import TrainedAdapter
-from lightning_blockwise.export.training_record import COMPUTE_DTYPES, dtype_name
+from lightning_blockwise.export.training_record import COMPUTE_DTYPES
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
 from lightning_blockwise.loading.meta_model import build_meta_model, check_keys
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
@@ -52,6 +52,9 @@ class MergePlan:
         device: Where weights are quantized, dequantized and summed.
         compute_dtype: The dtype the base was loaded in for training.
         compute_dtype_origin: Where ``compute_dtype`` comes from, in words (``"recorded with the adapter"``, ...).
+        dense_base: Whether training loaded the base dense (``quantize=False``): the trained weights are the
+            checkpoint's cast to ``compute_dtype``, not dequant(NF4) (NOTE [ What a merge adds ] in export/weights.py).
+        base_format_origin: Where ``dense_base`` comes from, in words.
         bnb_config: The base's NF4 settings.
         pre_quantized: Whether the checkpoint is saved in NF4 already.
         config: The base's config (the export's ``config.json`` starts from it).
@@ -68,6 +71,8 @@ class MergePlan:
     device: torch.device
     compute_dtype: torch.dtype
     compute_dtype_origin: str
+    dense_base: bool
+    base_format_origin: str
     bnb_config: BitsAndBytesConfig
     pre_quantized: bool
     config: Any
@@ -94,6 +99,7 @@ def plan_merge(
     into_original: bool,
     device: torch.device,
     compute_dtype: str | None,
+    quantize: bool | None = None,
 ) -> Iterator[MergePlan]:
     """Check the base against the adapter and plan the merge; the base's shards stay open for the block.
 
@@ -105,16 +111,19 @@ def plan_merge(
         device: Where to compute.
         compute_dtype: The dtype training loaded the base in; ``None``: the adapter's record, else bfloat16
             (NOTE [ The training record of an adapter ] in export/training_record.py).
+        quantize: Whether training loaded the base as NF4 (``False``: dense); ``None``: the adapter's record, else NF4.
 
     Warns:
-        UserWarning: When a merge quantizes the base in a compute dtype the adapter does not record: it records
-            none (``--compute-dtype`` not given either), or another than ``compute_dtype``.
+        UserWarning: When a merge loads the base in a compute dtype the adapter does not record (it records none and
+            ``--compute-dtype`` is not given, or another), or in another format than the record's.
 
     Raises:
         MisconfigurationException: If the base is missing, incomplete, corrupt or of another architecture than
-            the adapter, or ``into_original`` is asked of a base saved in NF4.
+            the adapter, ``into_original`` is asked of a base saved in NF4, or a dense-trained adapter is to be
+            merged into a base saved in NF4 (without ``quantize=True``).
     """
-    dtype, origin = _compute_dtype(adapter, compute_dtype)
+    settings = merge_settings(adapter, compute_dtype, quantize)
+    dtype, origin = settings.compute_dtype, settings.compute_dtype_origin
     with ExitStack() as stack:
         try:
             config = load_config(base)
@@ -137,10 +146,11 @@ def plan_merge(
                 " unquantized checkpoint, or leave the flag out."
             )
         adapter.check_against(model, set(keys), base, merging=mode != "none")
-        if mode != "none" and not pre_quantized:
-            # Only where the base is quantized here do its NF4 bytes, and so the merge, depend on the dtype.
-            _warn_compute_dtype(adapter, compute_dtype, dtype)
-        yield _plan(adapter, base, mode, into_original, device, dtype, origin, bnb_config, pre_quantized, model, keys)
+        if mode != "none":
+            warn_settings(adapter, compute_dtype, quantize, settings, pre_quantized, base)
+        formats = (not settings.quantize, settings.quantize_origin)
+        yield _plan(adapter, base, mode, into_original, device, (dtype, origin), formats, bnb_config, pre_quantized,
+                    model, keys)  # fmt: skip
 
 
 def check_disk(target: Path, plan: MergePlan) -> None:
@@ -164,13 +174,14 @@ def _plan(
     mode: str,
     into_original: bool,
     device: torch.device,
-    dtype: torch.dtype,
-    origin: str,
+    dtypes: tuple[torch.dtype, str],
+    formats: tuple[bool, str],
     bnb_config: BitsAndBytesConfig,
     pre_quantized: bool,
     model: torch.nn.Module,
     keys: dict[str, Any],
 ) -> MergePlan:
+    dtype = dtypes[0]
     four_bit = {
         f"{name}.weight": module
         for name, module in model.named_modules()
@@ -189,8 +200,8 @@ def _plan(
             itemsize = _output_dtype(mode, dtype, meta).itemsize
             planned.append(PlannedTensor(key, meta.dim(), meta.numel() * itemsize))
     return MergePlan(
-        adapter, base, mode, into_original, device, dtype, origin, bnb_config, pre_quantized, model.config, keys,
-        order, four_bit, planned,
+        adapter, base, mode, into_original, device, *dtypes, *formats, bnb_config, pre_quantized, model.config,
+        keys, order, four_bit, planned,
     )  # fmt: skip
 
 
@@ -199,41 +210,6 @@ def _output_dtype(mode: str, compute_dtype: torch.dtype, tensor: Tensor) -> torc
     if not tensor.is_floating_point():
         return tensor.dtype
     return DENSE_DTYPES.get(mode, compute_dtype)
-
-
-def _compute_dtype(adapter: TrainedAdapter, given: str | None) -> tuple[torch.dtype, str]:
-    """The dtype to quantize the base in, and where it comes from (NOTE [ The training record of an adapter ])."""
-    recorded = adapter.compute_dtype
-    if given is None:
-        if recorded is not None:
-            return recorded, "recorded with the adapter"
-        return torch.bfloat16, "the default: the adapter records none"
-    dtype = getattr(torch, given)
-    if recorded is not None and recorded != dtype:
-        return dtype, f"--compute-dtype, not the {dtype_name(recorded)} recorded with the adapter"
-    return dtype, "--compute-dtype"
-
-
-def _warn_compute_dtype(adapter: TrainedAdapter, given: str | None, dtype: torch.dtype) -> None:
-    """Warn when the base is quantized in a dtype the adapter does not say it was trained with."""
-    recorded = adapter.compute_dtype
-    if recorded is None and given is None:
-        warnings.warn(
-            f"{_OWNER}: {adapter.source} does not record the compute dtype it was trained with (an adapter saved by"
-            f" PEFT alone, or by an older lightning-blockwise), so the base is quantized in {dtype_name(dtype)}."
-            " The NF4 bytes, and so the merged model, depend on it: if training used another"
-            " (`CausalLMFineTune(compute_dtype=...)`), give it as --compute-dtype.",
-            UserWarning,
-            stacklevel=5,
-        )
-    elif recorded is not None and recorded != dtype:
-        warnings.warn(
-            f"{_OWNER}: --compute-dtype {given} differs from the {dtype_name(recorded)} that {adapter.source} was"
-            " trained with; the base is quantized to other NF4 bytes than training's, so the merged model is not the"
-            " one trained. Leave --compute-dtype out to merge what was trained.",
-            UserWarning,
-            stacklevel=5,
-        )
 
 
 def _planned_nf4(key: str, module: Linear4bit) -> list[PlannedTensor]:

@@ -85,6 +85,8 @@ def model_card(facts: dict[str, Any], target: Path) -> str:
             " NF4-quantized base, so this model differs from the trained one by the quantization error of every"
             " linear; it was written because `--merge-into-original` asked for it."
         )
+    elif facts.get("base_format") == "dense":
+        what = _dense_base(facts, delta)
     else:
         compute, trained = facts["compute_dtype"], facts.get("trained_compute_dtype")
         # A pre-quantized base is merged from its own NF4 bytes, which no compute dtype changes.
@@ -107,6 +109,11 @@ def model_card(facts: dict[str, Any], target: Path) -> str:
                 f"\n\nThe adapter does not record the compute dtype it was trained with; {compute} was assumed. If"
                 " training used another, this is not the model that was trained."
             )
+    if facts.get("base_format") == "nf4" and facts.get("trained_base_format") == "dense":
+        what += (
+            "\n\n**Not the model that was trained.** The adapter was trained over the dense base, and `--nf4-base`"
+            " merged it into the NF4-quantized one."
+        )
     trained_on = f" (trained on `{facts['trained_on']}`)" if facts.get("trained_on") else ""
     return f"""---
 library_name: transformers
@@ -137,6 +144,27 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("{target.resolve()}")
 ```
 """
+
+
+def _dense_base(facts: dict[str, Any], delta: str) -> str:
+    """What a merge over the dense base holds (NOTE [ The training record of an adapter ])."""
+    compute, trained = facts["compute_dtype"], facts.get("trained_compute_dtype")
+    what = (
+        f"Each adapted linear holds `W + {delta}`, where `W` is the base checkpoint's weight in {compute}"
+        f" ({facts['compute_dtype_origin']}), the dense base the adapter was trained over"
+        f" ({facts['base_format_origin']}). Linears without an adapter hold `W`."
+    )
+    if facts.get("trained_base_format") != "dense":
+        what += (
+            "\n\n**Not the model that was trained.** The adapter does not say it was trained over the dense base;"
+            " `--dense-base` merged it into the checkpoint's weights, not into the NF4-quantized ones."
+        )
+    elif trained != compute:
+        what += (
+            f"\n\n**Not the model that was trained.** The adapter was trained over the base in {trained};"
+            f" `--compute-dtype {compute}` loaded it in another dtype."
+        )
+    return what
 
 
 __all__ = ["CONFIG_KEY", "COPIED_FILES", "model_card", "write_model_files"]

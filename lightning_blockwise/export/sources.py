@@ -29,7 +29,7 @@ from lightning_blockwise.export.trained_adapter import (
     LoraModule,
     TrainedAdapter,
 )
-from lightning_blockwise.export.training_record import read_training_record
+from lightning_blockwise.export.training_record import CHECKPOINT_RECORD_KEY, TrainingRecord, read_training_record
 
 # A key of PEFT's saved adapter (`base_model.model.<module>.lora_A.weight`) and of a LightningModule's
 # state dict around a PeftModel (`model.base_model.model.<module>.lora_A.default.weight`).
@@ -97,13 +97,14 @@ def _open_directory(path: Path) -> Iterator[TrainedAdapter]:
                     " the base; the file was not written by PEFT."
                 )
             replacements[match["key"].replace(".base_layer.", ".")] = key
+        # NOTE [ The training record of an adapter ] in export/training_record.py.
+        record = read_training_record(path)
         yield _adapter(
             path,
             config,
             keys,
             replacements,
-            # NOTE [ The training record of an adapter ] in export/training_record.py.
-            compute_dtype=read_training_record(path),
+            record=record,
             trained_on=config.base_model_name_or_path,
             read=handle.get_tensor,
             shape=lambda key: tuple(handle.get_slice(key).get_shape()),
@@ -151,12 +152,26 @@ def _open_checkpoint(path: Path) -> TrainedAdapter:
         target_modules=modules,
         task_type="CAUSAL_LM",
     )
+    saved = checkpoint.get(CHECKPOINT_RECORD_KEY)
+    try:
+        # A checkpoint of an older version has no record: its hyperparameters say how the base was loaded.
+        record = TrainingRecord.from_dict(saved) if saved is not None else None
+    except ValueError as error:
+        raise MisconfigurationException(
+            f"lightning-blockwise export: {path}'s `{CHECKPOINT_RECORD_KEY}` is not a training record ({error})."
+        ) from None
+    quantize = hparams.get("quantize")
+    record = TrainingRecord(
+        getattr(torch, hparams["compute_dtype"]),
+        quantize if isinstance(quantize, bool) else None,
+        None if record is None else record.base,
+    )
     return _adapter(
         path,
         config,
         keys,
         {},  # the frozen base a checkpoint may carry is the base's own
-        compute_dtype=getattr(torch, hparams["compute_dtype"]),
+        record=record,
         trained_on=hparams.get("checkpoint"),
         read=state.__getitem__,
         shape=lambda key: tuple(state[key].shape),
@@ -189,7 +204,7 @@ def _adapter(
     config: LoraConfig,
     keys: dict[str, tuple[str, str]],
     replacements: dict[str, str],
-    compute_dtype: torch.dtype | None,
+    record: TrainingRecord | None,
     trained_on: str | None,
     read: Callable[[str], Tensor],
     shape: Callable[[str], tuple[int, ...]],
@@ -209,7 +224,18 @@ def _adapter(
         rank = shape(found["lora_A"])[0]
         scaling = _scaling(config, name, rank, source)
         modules[name] = LoraModule(name, found["lora_A"], found["lora_B"], found.get("lora_magnitude_vector"), scaling)
-    return TrainedAdapter(source, config, modules, replacements, compute_dtype, trained_on, read, shape)
+    return TrainedAdapter(
+        source,
+        config,
+        modules,
+        replacements,
+        compute_dtype=None if record is None else record.compute_dtype,
+        trained_on=trained_on,
+        quantize=None if record is None else record.quantize,
+        base_identity=None if record is None else record.base,
+        read=read,
+        shape=shape,
+    )
 
 
 def _scaling(config: LoraConfig, name: str, rank: int, source: Path) -> float:

@@ -14,7 +14,8 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lightning_blockwise.export.training_record import write_training_record
+from lightning_blockwise.export.training_record import TrainingRecord, write_training_record
+from lightning_blockwise.loading.base_identity import BaseIdentity
 
 #: The files of a PEFT adapter directory, as ``PeftModel.save_pretrained`` writes them.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,6 +68,9 @@ class TrainedAdapter:
         compute_dtype: The compute dtype training loaded the base in, if the source says (a checkpoint does, and
             an adapter directory with its training record: NOTE [ The training record of an adapter ]).
         trained_on: The base checkpoint training used, if the source says.
+        quantize: Whether training loaded the base as NF4 (``True``) or dense (``False``), if the source says.
+        base_identity: The identity of the base training used, if the source records it (NOTE [ The identity of a
+            base ] in loading/base_identity.py).
         read: Source key -> the tensor (memory-mapped where the source allows).
         shape: Source key -> the tensor's shape, without reading it.
     """
@@ -77,6 +81,8 @@ class TrainedAdapter:
     replacements: dict[str, str]
     compute_dtype: torch.dtype | None
     trained_on: str | None
+    quantize: bool | None
+    base_identity: BaseIdentity | None
     read: Callable[[str], Tensor]
     shape: Callable[[str], tuple[int, ...]]
 
@@ -162,7 +168,7 @@ class TrainedAdapter:
         export/training_record.py), so that a merge from the written directory needs no ``--compute-dtype``.
         """
         if self.compute_dtype is not None:
-            write_training_record(directory, self.compute_dtype)
+            write_training_record(directory, TrainingRecord(self.compute_dtype, self.quantize, self.base_identity))
         if self.source.is_dir():
             # An adapter directory is copied as it is: nothing to gain from rewriting it.
             for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

@@ -65,7 +65,7 @@ def test_the_record_is_written_beside_the_adapter_and_peft_ignores_it(
 ) -> None:
     model = build_model("llama", seed=0)
     adapter = export_adapter(model, tmp_path / "adapter", compute_dtype="float32")
-    assert read_training_record(adapter) == torch.float32
+    assert read_training_record(adapter).compute_dtype == torch.float32
     assert previous_export(adapter) == "adapter"  # the record is one of an adapter export's files
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -86,14 +86,14 @@ def test_a_record_that_is_not_ours_is_refused_and_a_bad_dtype_is_not_written(tmp
     with pytest.raises(ValueError, match="'int8' is not one of"):
         write_training_record(tmp_path, "int8")
     write_training_record(tmp_path, torch.bfloat16)  # control: a dtype is written by its name
-    assert read_training_record(tmp_path) == torch.bfloat16
+    assert read_training_record(tmp_path).compute_dtype == torch.bfloat16
 
 
 def test_a_merge_from_an_fp32_adapter_uses_its_record(
     checkpoints: dict[str, Path], fp32_run: Path, tmp_path: Path
 ) -> None:
     base, adapter = checkpoints["llama"], fp32_run / "adapter"
-    assert read_training_record(adapter) == torch.float32  # `CausalLMFineTune` recorded its compute dtype
+    assert read_training_record(adapter).compute_dtype == torch.float32  # `CausalLMFineTune` recorded its compute dtype
     said: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -136,7 +136,7 @@ def test_an_adapter_exported_from_a_checkpoint_keeps_its_record(
 ) -> None:
     base = checkpoints["llama"]
     export(fp32_run / "run.ckpt", base, tmp_path / "adapter", progress=False)
-    assert read_training_record(tmp_path / "adapter") == torch.float32
+    assert read_training_record(tmp_path / "adapter").compute_dtype == torch.float32
     export(tmp_path / "adapter", base, tmp_path / "merged", merge="fp32", progress=False)
     export(fp32_run / "run.ckpt", base, tmp_path / "from_ckpt", merge="fp32", progress=False)
     assert _differing(_written(tmp_path / "merged"), _written(tmp_path / "from_ckpt")) == []
