@@ -38,6 +38,7 @@ LAYERS: list[set[str]] = [
         "strategy.streamed_stack",
         "strategy.step_budget",
         "strategy.step_tokens",
+        "strategy.namespace_check",
     },
     # What the strategy delegates to: its step plan over the run and the step it times, its checkpoints, where
     # the module goes, DDP, block-major windows, and what callbacks ask it.

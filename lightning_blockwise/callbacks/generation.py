@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_blockwise.architectures import pretrained_models
+from lightning_blockwise.compat.lightning_namespaces import FollowsTrainer, follow
 from lightning_blockwise.replay.rng import GlobalRngState
 
 #: The most tokens :class:`SampleGenerations` generates per prompt (NOTE [ A generated token streams every block ]).
@@ -64,7 +65,7 @@ class Sample:
     text: str | None
 
 
-class SampleGenerations(Callback):
+class SampleGenerations(FollowsTrainer, Callback):
     r"""Greedy-decode a few prompts at the end of each validation, print them and log them as text.
 
     Gives a look at what the adapters learn, next to the validation loss. The prompts go
@@ -125,6 +126,8 @@ class SampleGenerations(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if follow(self, trainer):  # NOTE [ Two Lightning namespaces ]: now the twin, whose own setup runs
+            return self.setup(trainer, pl_module, stage)
         # Before the model is built: a text prompt with nothing to tokenize it is refused first.
         self._tokenizer = _find_tokenizer(pl_module, trainer.datamodule)
         # A data module that renders its rows with a chat format (InstructionDataModule's `chat`) says what the

@@ -19,11 +19,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_blockwise.compat.lightning_namespaces import FollowsTrainer, follow
+
 #: One point of a curve: the optimizer step it was recorded after, and the metric's value.
 Point = tuple[int, float]
 
 
-class MetricsPlot(Callback):
+class MetricsPlot(FollowsTrainer, Callback):
     """Record logged metrics as training goes and plot them to a PNG in the log directory at the end of ``fit``.
 
     The values come from ``trainer.callback_metrics`` (what ``self.log`` produced), so the plot needs
@@ -65,6 +67,12 @@ class MetricsPlot(Callback):
         self.series: dict[str, list[Point]] = {}
         self.path: Path | None = None
         self._step_before = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The first hook a Trainer calls: one of the other Lightning namespace makes this callback its twin here
+        # (NOTE [ Two Lightning namespaces ] in compat/lightning_namespaces.py).
+        follow(self, trainer)
 
     @override
     def on_train_batch_start(

@@ -14,12 +14,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_blockwise.compat.lightning_namespaces import FollowsTrainer, follow
 from lightning_blockwise.planning import parse_bytes
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 from lightning_blockwise.verification import ParityError, ParityResult, TensorMismatch, check_step, first_batch
 
 
-class ParityCheck(Callback):
+class ParityCheck(FollowsTrainer, Callback):
     """Check at fit start that one blockwise training step is bit-identical to the resident one.
 
     Before the first training step the callback runs the module's ``training_step`` on the
@@ -88,6 +89,8 @@ class ParityCheck(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if follow(self, trainer):  # NOTE [ Two Lightning namespaces ]: now the twin, whose own setup runs
+            return self.setup(trainer, pl_module, stage)
         if stage != "fit":
             return
         if not isinstance(trainer.strategy, BlockwiseStrategy):

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from lightning_blockwise.compat.lightning_namespaces import FollowsTrainer, follow
 from lightning_blockwise.profiling.report import Profile, draw_timeline, write_summary
 from lightning_blockwise.profiling.trace import BatchTracer, Timeline
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
@@ -27,7 +28,7 @@ def _input_ids_numel(batch: Any) -> int | None:
     return ids.numel() if isinstance(ids, torch.Tensor) else None
 
 
-class BlockwiseProfiler(Callback):
+class BlockwiseProfiler(FollowsTrainer, Callback):
     """Measures what streaming costs a run: VRAM, host-to-device traffic, copy stalls, step time, tokens/s.
 
     Every ``log_every_n_steps`` optimizer steps (the Trainer's), the profiler logs to the
@@ -102,6 +103,12 @@ class BlockwiseProfiler(Callback):
         self._strategy: BlockwiseStrategy | None = None
         self._step_at_start = 0
         self._drawn: Timeline | None = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # The first hook a Trainer calls: one of the other Lightning namespace makes this callback its twin here
+        # (NOTE [ Two Lightning namespaces ] in compat/lightning_namespaces.py).
+        follow(self, trainer)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -24,6 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_blockwise.compat.lightning_namespaces import FollowsTrainer, follow
+from lightning_blockwise.strategy.namespace_check import checking_launcher
 from lightning_blockwise.strategy.rank_watchdog import RankWatchdog
 
 # NOTE [ Data parallel, and one device as before ]
@@ -46,7 +48,7 @@ from lightning_blockwise.strategy.rank_watchdog import RankWatchdog
 # NCCL cannot broadcast host tensors), and broadcast buffers before every forward.
 
 
-class DataParallelStrategy(ParallelStrategy):
+class DataParallelStrategy(FollowsTrainer, ParallelStrategy):
     """One process trains on one device; with several processes, PyTorch DDP reduces the trainable gradients.
 
     See NOTE [ Data parallel, and one device as before ].
@@ -114,6 +116,18 @@ class DataParallelStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    @override
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        # The connector's first write, before any other use: a Trainer of the other Lightning namespace turns an
+        # instance built from this one into its twin here (NOTE [ Two Lightning namespaces ]).
+        follow(self, accelerator)
+        self._accelerator = accelerator
+
+    @property
     def is_distributed(self) -> bool:
         """Whether the run has more than one process (the Trainer asks before giving loaders a DistributedSampler)."""
         return self.num_nodes * self.num_processes > 1
@@ -133,6 +147,9 @@ class DataParallelStrategy(ParallelStrategy):
             if self.is_distributed
             else None
         )
+        # Every Trainer function goes through the launcher first: what it runs with is checked there for objects of
+        # the other Lightning namespace (NOTE [ Two Lightning namespaces ]).
+        self._launcher = checking_launcher(self, self._launcher)
 
     @override
     def setup_environment(self) -> None:
