@@ -216,14 +216,18 @@ def move_rest_to_device(module: nn.Module, stack: DecoderStack, device: torch.de
     """Move everything but the decoder layers' frozen tensors and the ``skip`` modules to ``device``.
 
     Adapters inside the layers and bitsandbytes' small 4-bit code tables go to the device;
-    the frozen tensors stay bound to the host copy.
+    the frozen tensors stay bound to the host copy. See NOTE [ Placement through public calls ].
     """
     skipped = {id(layer) for layer in stack.layers} | {id(m) for m in skip}
+    above = _above(module, skipped)
 
     def visit(sub: nn.Module) -> None:
         if id(sub) in skipped:
             return
-        sub._apply(lambda t: t.to(device), recurse=False)
+        if id(sub) not in above:
+            sub.to(device)
+            return
+        _move_own_tensors(sub, device)
         for child in sub.children():
             visit(child)
 
@@ -234,6 +238,43 @@ def move_rest_to_device(module: nn.Module, stack: DecoderStack, device: torch.de
             if param.grad is not None:
                 param.grad = param.grad.to(device)
         move_code_tables(layer, device)
+
+
+# NOTE [ Placement through public calls ]
+# The module is moved subtree by subtree, not module by module: a subtree with nothing to keep off the
+# device (no decoder layer, no host embedding below it) moves with its own public `.to(device)`, so a
+# module that overrides how it moves (torchmetrics' `Metric._apply` also moves its metric states and
+# takes no `recurse` argument; bitsandbytes' `Linear8bitLt.to` moves its quantization state) moves as
+# it would under `strategy="auto"`. Only the few containers above the decoder layers (the LightningModule,
+# the PEFT and Hugging Face wrappers, the layer list) are walked; their own parameters and buffers, if
+# any, move one by one, through `param.data` and the module's `setattr`, the same tensors `_apply` would
+# give. (Calling each submodule's private `_apply(fn, recurse=False)` crashed every module holding a
+# metric: issue 42.)
+def _above(module: nn.Module, skipped: set[int]) -> set[int]:
+    """The ids of the modules under ``module`` (itself included) that have a module in ``skipped`` below them."""
+    above: set[int] = set()
+
+    def walk(sub: nn.Module) -> bool:
+        holds = False
+        for child in sub.children():
+            # Every child is walked (no short cut), so that each one's own subtree is classified too.
+            holds = (id(child) in skipped or walk(child)) or holds
+        if holds:
+            above.add(id(sub))
+        return holds
+
+    walk(module)
+    return above
+
+
+def _move_own_tensors(sub: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers ``sub`` holds itself (not its children's) to ``device``."""
+    for param in sub.parameters(recurse=False):
+        param.data = param.data.to(device)
+        if param.grad is not None:
+            param.grad = param.grad.to(device)
+    for name, buffer in list(sub.named_buffers(recurse=False)):
+        setattr(sub, name, buffer.to(device))
 
 
 def _layer_ranges(plan: BlockPlan) -> tuple[range, ...]:
