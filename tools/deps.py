@@ -4,6 +4,7 @@ Usage::
 
     python3 tools/deps.py floor [--except NAME ...]  # `name==floor` per run-time dependency (the floor pass)
     python3 tools/deps.py newest                      # one name per dependency (newest, upper bounds ignored)
+    python3 tools/deps.py spec NAME                   # NAME's requirement as pyproject.toml declares it
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def main(argv: list[str]) -> None:
         print("\n".join(floor(r) for r in requirements(with_test=False) if r.name not in skip))
     elif argv == ["newest"]:
         print("\n".join(floor(r).split("==")[0] for r in requirements()))
+    elif len(argv) == 2 and argv[0] == "spec":
+        (found,) = [r for r in requirements() if r.name == argv[1]] or [None]
+        if found is None:
+            raise SystemExit(f"tools/deps.py: pyproject.toml declares no {argv[1]!r}")
+        print(found)
     else:
         raise SystemExit(__doc__)
 

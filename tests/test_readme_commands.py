@@ -1,0 +1,31 @@
+"""tools/readme_commands.py: CI's install and set-up commands are the README's own, as a reader would copy them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "tools" / "readme_commands.py")
+readme_commands = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(readme_commands)
+
+
+def test_the_readme_has_both_blocks_ci_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    install = readme_commands.commands(text, readme_commands.SECTIONS["install"])
+    setup = readme_commands.commands(text, readme_commands.SECTIONS["setup"])
+    # torch first, alone: resolving the project's torch range would otherwise pull a CUDA build.
+    assert install[0].startswith("pip install torch==") and install[1] == 'pip install -e ".[test]"'
+    assert setup == ["lightning-blockwise fit --config configs/demo.yaml", "python3 -m pytest -q"]
+
+
+def test_control_a_readme_without_the_block_is_refused() -> None:
+    text = "## Install\n\nRun pip.\n\n## Next\n\n```bash\npip install x\n```\n"
+    with pytest.raises(ValueError, match="no ```bash block under the README's '## Install'"):
+        readme_commands.commands(text, "## Install")
+    with pytest.raises(ValueError, match="no heading"):
+        readme_commands.commands(text, "## Quick start: the two set-up commands")
+    assert readme_commands.commands(text.replace("Run pip.", "```bash\npip a  # why\n\n```"), "## Install") == ["pip a"]
