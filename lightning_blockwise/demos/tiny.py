@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
@@ -36,6 +37,7 @@ from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, nf4_config
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
 from lightning_blockwise.export.leftovers import scratch_directory
+from lightning_blockwise.recipes.rank_zero_export import export_on_rank_zero
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
 #: Token id that pads sequences on the right; the data never use it otherwise.
@@ -105,7 +107,11 @@ def build_base_model(
     # named for this process, and the next demo removes it.
     checkpoint = scratch_directory(tempfile.gettempdir(), "lightning-blockwise-demo", ".model")
     try:
-        model.save_pretrained(checkpoint)
+        # Written by hand, not with `save_pretrained`: in a data-parallel run that writes the weights on global rank 0
+        # only, and each rank builds and loads its own copy (every rank draws the same weights from `seed`, and no
+        # rank waits for another; NOTE [ One export, every rank in step ] in recipes/rank_zero_export.py).
+        model.config.save_pretrained(checkpoint)
+        save_model(model, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint,
             quantization_config=quantization,
@@ -303,10 +309,12 @@ class DemoCausalLM(pl.LightningModule):
     def on_train_end(self) -> None:
         """Save the adapter to ``<log_dir>/adapter`` and say where, with the first and last train loss."""
         self._exported = True
-        if not self.trainer.is_global_zero:
-            return
-        # The demo's base computes in fp32 (`build_base_model`'s `nf4_config(torch.float32)`); recorded for `export`.
-        adapter_dir = export_adapter(self.model, self._adapter_dir(), compute_dtype=torch.float32)
+        # Every rank reads the directory (a collective) and waits for rank 0's export (NOTE [ One export, every rank in
+        # step ] in recipes/rank_zero_export.py). The demo's base computes in fp32 (`build_base_model`'s
+        # `nf4_config(torch.float32)`); recorded for `export`.
+        target = self._adapter_dir()
+        write = lambda: export_adapter(self.model, target, compute_dtype=torch.float32)  # noqa: E731
+        adapter_dir = export_on_rank_zero(self.trainer.strategy, write, "DemoCausalLM")
         summary = f"DemoCausalLM: adapter saved to {adapter_dir}"
         if self._first_train_loss is not None:
             summary += (

@@ -20,6 +20,7 @@ from bitsandbytes.nn import Linear4bit
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers.distributed import mixin
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.callbacks.progress_bar import EpochProgressBar, planned_epochs
@@ -223,3 +224,48 @@ def test_a_killed_demos_temporary_model_is_cleaned_at_the_next_start() -> None:
     finally:
         shutil.rmtree(stale, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_the_base_is_built_on_every_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`build_base_model` on a rank other than 0 of a process group builds the same base as on rank 0.
+
+    Control: under the same conditions `save_pretrained`, which the demo used to write its base with, writes no
+    weights (transformers saves on global rank 0 only), which left rank 1 with "Unrecognized model".
+    """
+    rank_zero = build_base_model(seed=3)
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    rank_one = build_base_model(seed=3)
+    state, other = rank_zero.state_dict(), rank_one.state_dict()
+    assert state.keys() == other.keys() and state
+    assert all(torch.equal(value, other[name]) for name, value in state.items() if isinstance(value, torch.Tensor))
+    build_base_model(seed=3, quantize=False).save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_the_demo_config_trains_on_two_ranks_and_writes_its_adapter(tmp_path: Path) -> None:
+    """`lightning-blockwise fit --config configs/demo.yaml --trainer.devices=2`: Lightning starts rank 1 itself,
+    both ranks finish, and the adapter, the profile and the loss plot are in the log directory.
+
+    Every file written at the end reads `trainer.log_dir`, a collective: one rank skipping it failed the run
+    (NOTE [ One export, every rank in step ]). The control is `test_the_base_is_built_on_every_rank`'s.
+    """
+    into = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    command = [sys.executable, "-m", "lightning_blockwise", "fit", "--config", str(DEMO_CONFIG), *into]
+    command += ["--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=2"]
+    command += ["--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    assert "GLOBAL_RANK: 1" in run.stdout + run.stderr  # rank 1 ran
+    assert (log_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert (log_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert (log_dir / "blockwise_profile.json").is_file()
+    assert not list(tmp_path.glob("lightning_logs/version_0/.adapter*"))  # nothing staged was left behind
