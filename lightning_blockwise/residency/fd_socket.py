@@ -70,8 +70,8 @@ def secret_directory() -> Path:
     """The directory of mode 0700 this user owns that holds the share secret (created if need be).
 
     Raises:
-        RuntimeError: If neither ``~/.cache/lightning-blockwise`` nor ``$TMPDIR/lightning-blockwise-<uid>`` can be
-            made one (the second one squatted by another user, say).
+        NoPrivateDirectoryError: If neither ``~/.cache/lightning-blockwise`` nor ``$TMPDIR/lightning-blockwise-<uid>``
+            can be made one (the second one squatted by another user, say).
     """
     uid = os.getuid()
     candidates = [Path(tempfile.gettempdir()) / f"lightning-blockwise-{uid}"]
@@ -87,10 +87,14 @@ def secret_directory() -> Path:
         if problem is None:
             return directory
         problems.append(problem)
-    raise RuntimeError(
+    raise NoPrivateDirectoryError(
         f"shared_arena: no directory of this user's own can hold the secret that names shared host copies"
         f" ({'; '.join(problems)}). Remove or fix the directory, or load with `share=False`."
     )
+
+
+class NoPrivateDirectoryError(RuntimeError):
+    """No directory of this user's own can hold the share secret (one squatted by another user, say)."""
 
 
 # The secret read in this process, by uid (a forked child may change its user).
@@ -224,4 +228,14 @@ def _complete(message: bytes) -> bool:
     return len(message) >= _LENGTH.size and len(message) >= _LENGTH.size + _LENGTH.unpack_from(message)[0]
 
 
-__all__ = ["encode", "listen", "peer", "receive", "secret_directory", "serve", "share_secret", "socket_address"]
+__all__ = [
+    "NoPrivateDirectoryError",
+    "encode",
+    "listen",
+    "peer",
+    "receive",
+    "secret_directory",
+    "serve",
+    "share_secret",
+    "socket_address",
+]

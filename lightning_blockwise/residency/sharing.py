@@ -7,9 +7,11 @@ shared_arena.py (NOTE [ One host copy per machine ]).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning_blockwise.residency.arena import HostArena
+from lightning_blockwise.residency.fd_socket import NoPrivateDirectoryError
 from lightning_blockwise.residency.shared_arena import ArenaClaim, claim, owned_here
 
 #: How long a process waits for another one to finish loading or packing the copy it shares (a 72B base
@@ -26,7 +28,15 @@ def attach_or_own(key: str | None, pin: bool) -> tuple[ArenaClaim | None, HostAr
     """
     if key is None or owned_here(key):
         return None, None
-    taken = claim(key)
+    try:
+        taken = claim(key)
+    except NoPrivateDirectoryError as error:
+        # NOTE [ Addresses no other user can take ] in fd_socket.py: without a directory of our own there is no
+        # secret, and an address without one could be taken by another user. Sharing only saves host RAM, so the
+        # load goes on with a copy of its own instead of failing (another user squatting `$TMPDIR` must not be
+        # able to stop every load of a user without a writable home).
+        warnings.warn(f"{error} This process loads a host copy of its own (not shared).", stacklevel=2)
+        return None, None
     if taken.owner:
         return taken, None
     attached = taken.attach(pin=pin, timeout=SHARE_TIMEOUT_S)  # None: the owner died first, this process owns
