@@ -137,8 +137,13 @@ def _module_arguments(options: argparse.Namespace) -> dict[str, Any]:
                 " `<log_dir>/adapter`), or a run's .ckpt as --ckpt."
             )
         arguments["adapter_path"] = str(options.adapter)
-    if options.compute_dtype is not None:
-        arguments["compute_dtype"] = options.compute_dtype
+    # What is not given, an --adapter's record decides (NOTE [ The training record of an adapter ]), a --ckpt's
+    # hyperparameters otherwise; what is given wins, with a warning where it differs from the record.
+    for name in ("compute_dtype", "quantize"):
+        if getattr(options, name) is not None:
+            arguments[name] = getattr(options, name)
+    if options.allow_other_base:
+        arguments["allow_other_base"] = True
     return arguments
 
 
@@ -285,7 +290,25 @@ def _generate_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compute-dtype",
         choices=["bfloat16", "float16", "float32"],
-        help="The compute_dtype training used (default: the .ckpt's, else bfloat16).",
+        help="The compute_dtype training used (default: the .ckpt's or the adapter's record, else bfloat16).",
+    )
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument(
+        "--dense-base",
+        dest="quantize",
+        action="store_const",
+        const=False,
+        help="Load the base dense, as `quantize=False` trained (default: the .ckpt's or the adapter's record, else"
+        " NF4).",
+    )
+    formats.add_argument(
+        "--nf4-base", dest="quantize", action="store_const", const=True, help="Load the base as NF4 (see --dense-base)."
+    )
+    parser.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="Go on over a base whose config or weights differ from the one the adapter or .ckpt records, with a"
+        " warning (default: refused).",
     )
     parser.add_argument(
         "--precision", help="The Trainer's precision (default: bf16-mixed on a GPU, as the configs train; 32 on CPU)."

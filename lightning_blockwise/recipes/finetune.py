@@ -12,16 +12,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import PeftModel
 from torch import Tensor
 
 from lightning_blockwise.adapters.dora_norm import factor_dora_norms
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
+from lightning_blockwise.export.training_record import CHECKPOINT_RECORD_KEY, TrainingRecord
 from lightning_blockwise.longcontext.attention import tile_attention
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
+from lightning_blockwise.recipes import base_record
 from lightning_blockwise.recipes.finetune_model import (
     add_adapters,
     check_adapter_dir,
@@ -31,6 +33,7 @@ from lightning_blockwise.recipes.finetune_model import (
 from lightning_blockwise.recipes.kernel_choice import (
     check_fused_lora_adapter,
     check_kernels_device,
+    check_resumed_kernels,
     install_kernels,
     kernel_choice,
     resolve_auto,
@@ -72,11 +75,11 @@ class CausalLMFineTune(pl.LightningModule):
             (:func:`~lightning_blockwise.adapters.dora_norm.factor_dora_norms`; high ranks). It changes the rounding,
             so it applies under every strategy (NOTE [ Factored DoRA norm ] in adapters/dora_norm.py).
         compute_dtype: Dtype the 4-bit matmuls compute in (``"bfloat16"``, ``"float16"``, ``"float32"``), and the
-            dtype of a dense base.
-        quantize: Load the base as NF4 (default). ``False``: a dense base in ``compute_dtype`` (about 3.6x the
-            host bytes of NF4; exact LoRA on the real weights rather than their 4-bit approximation), loaded
-            as ``load_blockwise(quantize=False)`` or ``from_pretrained(dtype=...)`` loads it; the checkpoint
-            must be unquantized.
+            dtype of a dense base; ``None``: ``adapter_path``'s record, else ``"bfloat16"``.
+        quantize: Load the base as NF4 (``None``: ``adapter_path``'s record, else NF4). ``False``: a dense base in
+            ``compute_dtype`` (about 3.6x the host bytes of NF4; exact LoRA on the real weights rather than their 4-bit
+            approximation), loaded as ``load_blockwise(quantize=False)`` or ``from_pretrained(dtype=...)`` loads it;
+            the checkpoint must be unquantized.
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         optimizer: ``"adamw"``: torch's AdamW, fp32 moments (8 bytes a trainable parameter);
@@ -124,7 +127,9 @@ class CausalLMFineTune(pl.LightningModule):
         adapter_path: A PEFT adapter directory (an earlier run's export, ``<log_dir>/adapter``) to start from
             instead of fresh adapters: to continue training it, or to ``validate`` or ``test`` it. The adapter's own
             ``adapter_config.json`` then decides the rank, alpha, dropout, targets and DoRA (the LoRA arguments above
-            are ignored); ``checkpoint``, ``compute_dtype`` and ``quantize`` must be those it was trained with.
+            are ignored), its ``lightning_blockwise.json`` the ``compute_dtype`` and ``quantize`` not given (others
+            warn), and ``checkpoint`` must be the base it records (NOTE [ The training record of an adapter ]).
+        allow_other_base: Go on, with a warning, over another base than ``adapter_path`` or a resumed checkpoint has.
 
     The long-context options are also the attributes ``loss_chunk_tokens``, ``mlp_tile_tokens`` and
     ``attention_tile_tokens``, which :class:`BlockwiseStrategy`'s planner reads.
@@ -154,7 +159,7 @@ class CausalLMFineTune(pl.LightningModule):
         lora_dropout: float = 0.05,
         use_dora: bool = False,
         dora_norm: str = "dense",
-        compute_dtype: str = "bfloat16",
+        compute_dtype: str | None = None,
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
         optimizer: str = "adamw",
@@ -166,10 +171,11 @@ class CausalLMFineTune(pl.LightningModule):
         overwrite_adapter: bool = False,
         loss_chunk_tokens: int | None = None,
         mlp_tile_tokens: int | None = None,
-        quantize: bool = True,
+        quantize: bool | None = None,
         adapter_path: str | None = None,
         kernels: str | list[str] | None = "auto",
         attention_tile_tokens: int | None = None,
+        allow_other_base: bool = False,
     ) -> None:
         super().__init__()
         if loader not in _LOADERS:
@@ -187,6 +193,7 @@ class CausalLMFineTune(pl.LightningModule):
         _check_count("attention_tile_tokens", attention_tile_tokens, "16384 queries per tile")
         # With `adapter_path` the adapter's own config decides DoRA: checked when the model is built, before the base.
         self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora and adapter_path is None)
+        compute_dtype, quantize = base_record.adapter_settings(adapter_path, compute_dtype, quantize)  # saved below
         self.save_hyperparameters()
         # Read by `BlockwiseStrategy`'s planner (the module declares what its step builds).
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -198,6 +205,7 @@ class CausalLMFineTune(pl.LightningModule):
         self.strict_loading = False
         # The kernels installed when the model was built (recorded in checkpoints); None until then.
         self._installed_kernels: list[str] | None = None
+        self._record: TrainingRecord | None = None  # the base as checkpoints record it; set with the model
         # Whether this fit exported its adapter (NOTE [ A resume with nothing to train ]).
         self._exported = False
 
@@ -210,10 +218,12 @@ class CausalLMFineTune(pl.LightningModule):
         if self.model is not None:
             return
         hp = self.hparams
+        self._record = base_record.module_record(hp.checkpoint, hp.compute_dtype, hp.quantize, hp.random_init)
         if hp.adapter_path is not None:
             # Before the base loads (minutes at 72B), not after.
             check_adapter_dir(hp.adapter_path)
             check_fused_lora_adapter(self._kernels, hp.adapter_path)
+            base_record.check_adapter_base(hp.adapter_path, self._record, hp.allow_other_base)
         strategy = self.trainer.strategy if self._trainer is not None else None
         # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
         device_type = None if strategy is None else strategy.root_device.type
@@ -290,36 +300,26 @@ class CausalLMFineTune(pl.LightningModule):
 
         Under :class:`BlockwiseStrategy` the strategy already decides (NOTE [ Lean checkpoints ] in
         checkpointing.py, ``save_frozen_base``); elsewhere the module does the same. The kernels the model computes
-        with are recorded, so that a resume is checked against them (:meth:`on_load_checkpoint`).
+        with, and the base (recipes/base_record.py), are recorded, so that a resume is checked against them.
         """
         if self._installed_kernels is not None:
             checkpoint[_KERNELS_KEY] = self._installed_kernels
+        if self._record is not None:
+            checkpoint[CHECKPOINT_RECORD_KEY] = self._record.to_dict()
         if isinstance(self.trainer.strategy, BlockwiseStrategy):
             return
         trainable = {name for name, param in self.named_parameters() if param.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a resume whose ``kernels="auto"`` chose other kernels than the checkpoint's run computed with.
-
-        ``"auto"`` depends on the machine (Liger-Kernel installed, CUDA): resuming elsewhere would train another
-        function from the restored state, not the run's. An explicit ``kernels`` is the user's choice and only warned
-        about.
+        """Refuse a resume over another base, or with other kernels than ``"auto"`` chose, whatever the strategy.
 
         Raises:
-            MisconfigurationException: Naming both choices and the ``kernels`` to pass.
+            MisconfigurationException: Naming what differs and the argument that resumes the run as it was.
         """
-        saved = checkpoint.get(_KERNELS_KEY)
-        if saved is None or self._installed_kernels is None or saved == self._installed_kernels:
-            return
-        what = f"this run was trained with kernels {saved} and this model computes with {self._installed_kernels}"
-        if self._kernels is None:
-            raise MisconfigurationException(
-                f"CausalLMFineTune(kernels='auto'): {what}, so the resumed run would not continue the same function."
-                f" Pass `kernels={saved}` (YAML: `kernels: {saved}`; with 'liger': on CUDA, with"
-                ' `pip install "lightning-blockwise[kernels]"`) to resume it exactly.'
-            )
-        rank_zero_warn(f"CausalLMFineTune(kernels={self.hparams.kernels!r}): {what}, as asked.")
+        frozen = {name for name, param in self.named_parameters() if not param.requires_grad}
+        self._record = base_record.check_resumed_base(checkpoint, self._record, frozen, self.hparams.allow_other_base)
+        check_resumed_kernels(checkpoint.get(_KERNELS_KEY), self._installed_kernels, self.hparams.kernels)
 
     def on_fit_start(self) -> None:
         """Note that this fit has not exported its adapter yet."""
@@ -350,7 +350,7 @@ class CausalLMFineTune(pl.LightningModule):
             self.model,
             self._adapter_dir(),
             overwrite=self.hparams.overwrite_adapter,
-            compute_dtype=self.hparams.compute_dtype,
+            record=self._record,
         )
         rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
 

@@ -6,9 +6,10 @@ import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_blockwise.architectures import find_decoder_stack
@@ -137,11 +138,38 @@ def install_kernels(model: nn.Module, choice: frozenset[str], mlp_tiled: bool = 
         use_fused_lora(model)
 
 
+def check_resumed_kernels(saved: list[str] | None, installed: list[str] | None, given: Any) -> None:
+    """Refuse a resume whose ``kernels="auto"`` chose other kernels than the checkpoint's run computed with.
+
+    ``"auto"`` depends on the machine (Liger-Kernel installed, CUDA): resuming elsewhere would train another function
+    from the restored state, not the run's. An explicit ``kernels`` is the user's choice and only warned about.
+
+    Args:
+        saved: The kernels the checkpoint records (``None``: it records none).
+        installed: The kernels this model computes with (``None``: not built yet).
+        given: ``CausalLMFineTune(kernels=...)`` as given (``"auto"`` chose them on this machine).
+
+    Raises:
+        MisconfigurationException: Naming both choices and the ``kernels`` to pass.
+    """
+    if saved is None or installed is None or saved == installed:
+        return
+    what = f"this run was trained with kernels {saved} and this model computes with {installed}"
+    if given == AUTO:
+        raise MisconfigurationException(
+            f"CausalLMFineTune(kernels='auto'): {what}, so the resumed run would not continue the same function."
+            f" Pass `kernels={saved}` (YAML: `kernels: {saved}`; with 'liger': on CUDA, with"
+            ' `pip install "lightning-blockwise[kernels]"`) to resume it exactly.'
+        )
+    rank_zero_warn(f"CausalLMFineTune(kernels={given!r}): {what}, as asked.")
+
+
 __all__ = [
     "AUTO",
     "KERNELS",
     "check_fused_lora_adapter",
     "check_kernels_device",
+    "check_resumed_kernels",
     "install_kernels",
     "kernel_choice",
     "resolve_auto",
