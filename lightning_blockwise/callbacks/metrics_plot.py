@@ -99,12 +99,14 @@ class MetricsPlot(FollowsTrainer, Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # On every rank, before anything returns: `log_dir` is a collective that every rank must join (NOTE [ One
+        # export, every rank in step ] in recipes/rank_zero_export.py); the plot itself is rank 0's.
+        directory = Path(trainer.log_dir or trainer.default_root_dir)
         if not trainer.is_global_zero:
             return
         if not self.series:
             rank_zero_info(f"MetricsPlot: no {self._wanted()} was logged; {self.filename} not written.")
             return
-        directory = Path(trainer.log_dir or trainer.default_root_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / self.filename
         plot_series(self.series, self.path, log_scale=self.log_scale)

@@ -80,3 +80,32 @@ def test_bad_arguments_are_refused() -> None:
         MetricsPlot(filename="loss.jpg")
     with pytest.raises(MisconfigurationException, match=r"MetricsPlot\(metrics=\[\]\) would plot nothing"):
         MetricsPlot(metrics=[])
+
+
+class _RankTrainer:
+    """A trainer as one rank sees it at fit end; `log_dir` counts its reads (each is a broadcast in Lightning)."""
+
+    def __init__(self, zero: bool, log_dir: Path) -> None:
+        self.is_global_zero = zero
+        self.default_root_dir = str(log_dir)
+        self._log_dir = log_dir
+        self.reads = 0
+
+    @property
+    def log_dir(self) -> str:
+        self.reads += 1
+        return str(self._log_dir)
+
+
+@pytest.mark.parametrize("series", [{}, {"train_loss": [(1, 2.0), (2, 1.0)]}], ids=["nothing logged", "logged"])
+def test_every_rank_reads_the_log_dir_and_rank_zero_alone_plots(tmp_path: Path, series: dict) -> None:
+    """`trainer.log_dir` is a collective (NOTE [ One export, every rank in step ]): every rank reads it once at fit
+    end, logged or not, and only rank 0 writes. Control: rank 0 writes the PNG where rank 1 writes nothing."""
+    ranks = [_RankTrainer(zero, tmp_path / f"rank{int(not zero)}") for zero in (True, False)]
+    for rank in ranks:
+        plot = MetricsPlot()
+        plot.series = dict(series)
+        plot.on_fit_end(rank, None)  # type: ignore[arg-type]
+        assert rank.reads == 1
+    assert (tmp_path / "rank0" / "loss.png").is_file() == bool(series)
+    assert not (tmp_path / "rank1").exists()
