@@ -40,6 +40,7 @@ from lightning_blockwise.recipes.kernel_choice import (
 )
 from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
+from lightning_blockwise.recipes.rank_zero_export import export_on_rank_zero
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
@@ -288,12 +289,10 @@ class CausalLMFineTune(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Refuse, before any training, an adapter directory the export at the end would overwrite."""
         if stage == "fit":
-            check_export_target(
-                self._adapter_dir(),
-                self.hparams.overwrite_adapter,
-                f"CausalLMFineTune(adapter_dir={self._adapter_dir()})",
-                inputs=[self.hparams.checkpoint] if Path(self.hparams.checkpoint).exists() else [],
-            )
+            # On every rank: `log_dir` is a collective (NOTE [ One export, every rank in step ] in rank_zero_export.py).
+            hp, target = self.hparams, self._adapter_dir()
+            inputs = [hp.checkpoint] if Path(hp.checkpoint).exists() else []
+            check_export_target(target, hp.overwrite_adapter, f"CausalLMFineTune(adapter_dir={target})", inputs=inputs)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep only the trainable parameters: the frozen base is the checkpoint directory's, gigabytes not to copy.
@@ -344,13 +343,13 @@ class CausalLMFineTune(pl.LightningModule):
 
     def _export(self) -> None:
         self._exported = True
-        if not self.trainer.is_global_zero:
-            return
-        written = export_adapter(
-            self.model,
-            self._adapter_dir(),
-            overwrite=self.hparams.overwrite_adapter,
-            record=self._record,
+        # Every rank reads the directory (a collective) and waits for rank 0's export (NOTE [ One export, every rank in
+        # step ] in recipes/rank_zero_export.py).
+        target, hp = self._adapter_dir(), self.hparams
+        written = export_on_rank_zero(
+            self.trainer.strategy,
+            lambda: export_adapter(self.model, target, overwrite=hp.overwrite_adapter, record=self._record),
+            "CausalLMFineTune",
         )
         rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
 
