@@ -35,6 +35,7 @@ from typing_extensions import override
 # Imported for its side effect: registering "blockwise" in Lightning's strategy registry
 # before the parser resolves `trainer.strategy`.
 import lightning_blockwise  # noqa: F401
+from lightning_blockwise.cli.data_check import DataCheck
 from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
 from lightning_blockwise.cli.generate_command import GENERATE_COMMAND, generate_command
 from lightning_blockwise.cli.old_class_paths import refuse_removed_class_path
@@ -234,6 +235,11 @@ class _BlockwiseCLI(LightningCLI):
             " checkpoint that a run saved, e.g. `<log_dir>/checkpoints/epoch=0-step=100.ckpt`; nothing was built or"
             " loaded."
         )
+
+    @override
+    def before_fit(self) -> None:
+        """Check the config against its data once the data is set up, before the base loads (:class:`DataCheck`)."""
+        self.trainer.callbacks.append(DataCheck())
 
 
 def _is_local_path(ckpt_path: str) -> bool:

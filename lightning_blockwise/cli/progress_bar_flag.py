@@ -17,13 +17,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
 def drop_progress_bars(trainer_config: Namespace) -> None:
-    """Remove progress-bar callbacks from a parsed Trainer config whose ``enable_progress_bar`` is false.
+    """Remove progress-bar callbacks from a parsed Trainer config whose ``enable_progress_bar`` is ``False``.
+
+    An unset ``enable_progress_bar`` (``None``, the Trainer's default, meaning "on") keeps them.
 
     Args:
         trainer_config: The ``trainer`` section of a parsed LightningCLI config (changed in place).
     """
     callbacks = trainer_config.get("callbacks")
-    if trainer_config.get("enable_progress_bar", True) or not callbacks:
+    # Only an explicit false: a config or command line that leaves the key unset parses it as None, which the
+    # Trainer reads as "show the bar" (its default), and the config's bar must then stay.
+    if trainer_config.get("enable_progress_bar") is not False or not callbacks:
         return
     kept = [callback for callback in callbacks if not _is_progress_bar(callback)]
     if len(kept) < len(callbacks):
