@@ -7,6 +7,7 @@ first (NOTE [ Forward hooks inside a rematerialized layer ]).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,9 +29,16 @@ from torch.nn.modules import module as torch_module
 # - In the forward, each such hook fires as in resident training, once, on aliases of the module's
 #   inputs and outputs that refuse a gradient (`_NoGradient`): a hook that observes them (logs,
 #   counts, detaches, keeps them for a metric) works as before; a loss built from them raises at the
-#   first backward, naming the module and the fix, since its gradient cannot be had without keeping
-#   the layer's graph. A hook that returns a replacement (it changes what the layer computes) is
-#   refused at once: the recompute would have to call it again, a second firing.
+#   first backward, naming the module, the hook and the fix, since its gradient cannot be had without
+#   keeping the layer's graph. That holds for all a hook receives: the positional arguments, the
+#   output, and the keyword arguments of a hook registered `with_kwargs=True` (a decoder layer calls its
+#   attention with `hidden_states=` as a keyword; a loss on those lost 7 of 28 adapter gradients
+#   without an error: issue 41).
+# - A hook that returns what it was given (the same objects: Lightning's `PyTorchProfiler` returns its
+#   input and output to close its record, so do many tracers) observes: nothing changes, and the module
+#   goes on with its own tensors. A hook that returns anything else replaces what the layer computes and
+#   is refused at once, naming the hook: the recompute would have to call it again, a second firing
+#   (issue 42).
 # - In the recompute the hooks are silenced, the process-wide ones (`register_module_forward_hook`)
 #   included, so nothing fires a second time.
 #
@@ -56,21 +64,21 @@ def hooks_once(layer: nn.Module, index: int, anchor: Tensor) -> Iterator[None]:
 
     def wrap(dict_name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         pre = dict_name.endswith("pre_hooks")
+        owner = _owner(hook)
 
-        def once(module: nn.Module, args: Any, *rest: Any) -> None:
+        def once(module: nn.Module, *given: Any) -> None:
+            # `given` is (args,) or (args, kwargs) for a pre-hook, (args, output) or (args, kwargs, output) after.
             name = names.get(id(module), f"a module of decoder layer {index}")
-            if pre:
-                result = hook(module, _refusing(args, name, anchor), *rest)
-            else:
-                *kwargs, output = rest
-                result = hook(module, _refusing(args, name, anchor), *kwargs, _refusing(output, name, anchor))
-            if result is not None:
+            seen = tuple(_refusing(value, f"{name}` (the hook `{owner}`)", anchor) for value in given)
+            result = hook(module, *seen)
+            if result is not None and not _returned_as_given(result, seen, pre):
                 raise MisconfigurationException(
-                    f"BlockwiseStrategy: a forward {'pre-' if pre else ''}hook on `{name}` returned a replacement"
-                    f" {'input' if pre else 'output'}, which changes what the layer computes. A rematerialized layer"
-                    " would have to call it again in the recompute, a second time per step (NOTE [ Forward hooks"
-                    " inside a rematerialized layer ]). Make the change inside the module (or with a PEFT adapter),"
-                    " or train with `strategy='auto'`."
+                    f"BlockwiseStrategy: the forward {'pre-' if pre else ''}hook `{owner}` on `{name}` returned a"
+                    f" replacement {'input' if pre else 'output'} (not the objects it was given), which changes what"
+                    " the layer computes. A rematerialized layer would have to call it again in the recompute, a"
+                    " second time per step (NOTE [ Forward hooks inside a rematerialized layer ]). Return `None` (or"
+                    " what it was given) to observe; make the change inside the module (or with a PEFT adapter), or"
+                    " train with `strategy='auto'`."
                 )
 
         return once
@@ -99,7 +107,7 @@ class _NoGradient(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor | None) -> tuple[None, ...]:
         if grad is not None:
             raise MisconfigurationException(
-                f"BlockwiseStrategy: the loss depends on a tensor that a forward hook on `{ctx.name}` received."
+                f"BlockwiseStrategy: the loss depends on a tensor that a forward hook on `{ctx.name} received."
                 " Rematerialized layers run their modules without autograd in the forward (the recompute comes in"
                 " the backward), so that term's gradient would be lost, unlike resident training (NOTE [ Forward"
                 " hooks inside a rematerialized layer ]). Detach what the hook keeps if it is a metric, build the"
@@ -109,7 +117,7 @@ class _NoGradient(torch.autograd.Function):
 
 
 def _refusing(value: Any, name: str, anchor: Tensor) -> Any:
-    """``value`` with its floating-point tensors (one level into tuples and lists) behind :class:`_NoGradient`."""
+    """``value`` with its floating-point tensors (one level into tuples, lists, dicts) behind :class:`_NoGradient`."""
     if isinstance(value, Tensor):
         if not value.is_floating_point():
             return value
@@ -117,7 +125,42 @@ def _refusing(value: Any, name: str, anchor: Tensor) -> Any:
             return _NoGradient.apply(name, value, anchor)
     if isinstance(value, (tuple, list)):
         return type(value)(_refusing(v, name, anchor) for v in value)
+    if isinstance(value, dict):
+        return {k: _refusing(v, name, anchor) for k, v in value.items()}
     return value
+
+
+def _returned_as_given(result: Any, given: tuple[Any, ...], pre: bool) -> bool:
+    """Whether a hook's ``result`` is what it was ``given`` (it observed), read as torch reads a hook's return.
+
+    A pre-hook returns the positional arguments (a lone value stands for a 1-tuple) or, registered with kwargs,
+    the pair ``(args, kwargs)``; a forward hook returns the output.
+    """
+    if not pre:
+        return _same(result, given[-1])
+    if len(given) == 2:
+        return isinstance(result, tuple) and len(result) == 2 and all(map(_same, result, given))
+    args = given[0]
+    return _same(result, args) or (not isinstance(result, tuple) and len(args) == 1 and result is args[0])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a is b``, or containers holding the very same objects."""
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return False
+
+
+def _owner(hook: Callable[..., Any]) -> str:
+    """Where ``hook`` comes from, for messages: its ``__module__`` and ``__qualname__`` (through ``partial``)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    named = hook if hasattr(hook, "__qualname__") else type(hook)
+    return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
 
 
 def _inner_names(layer: nn.Module, index: int) -> dict[int, str]:

@@ -5,6 +5,7 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -152,7 +153,12 @@ class RematLayer:
         if self.keep:
             return KeptFunction.apply(self, call, params, hidden, self.anchor)
         rng = RngSnapshot.capture(hidden.device)
-        return _RematFunction.apply(self, call, rng, params, hidden, self.anchor)
+        output = _RematFunction.apply(self, call, rng, params, hidden, self.anchor)
+        # The gradient as it arrives, before the user's tensor hooks (NOTE [ Gradients that bypass the next layer ]):
+        # this hook is the output's first. A dict on the node, not the node in the hook, or the two hold each other.
+        output.grad_fn.arrival = arrival = {}
+        output.register_hook(functools.partial(_note_arrival, arrival))
+        return output
 
 
 class _RematFunction(torch.autograd.Function):
@@ -233,11 +239,21 @@ class _RematFunction(torch.autograd.Function):
 # take the other terms into its own sum, since they arrive in the outer backward's buffer, which only
 # the layer below sees. So the layer below checks that what it receives is the very tensor the next
 # layer handed down, and refuses anything else at the first backward; a hidden state that is only
-# observed (logged, detached) adds nothing and passes.
+# observed (logged, detached) adds nothing and passes. It checks the gradient as it arrived, before
+# the tensor hooks a user registered on the output (`register_hook` on the hidden states; the strategy's
+# own hook comes first and notes it): such a hook acts on the summed gradient under resident training,
+# and here on the very tensor the next layer handed down, the same bits, so what it returns (a new
+# gradient included) is as exact as what it observes (issue 41 found them blamed on
+# `output_hidden_states`).
+def _note_arrival(arrival: dict[str, Tensor], grad: Tensor) -> None:
+    arrival["grad"] = grad
+
+
 def _refuse_a_bypass(ctx: Any, grad_output: Tensor) -> None:
     handed = getattr(ctx, "handed", None)
     ctx.handed = None
-    if handed is None or grad_output is handed:
+    arrived = getattr(ctx, "arrival", {}).pop("grad", grad_output)
+    if handed is None or arrived is handed:
         return
     index = ctx.remat.index
     raise MisconfigurationException(
