@@ -148,11 +148,15 @@ class TemplateFormat(ChatFormat):
                     f" ({type(error).__name__}: {str(error).rstrip('.')}). Fix the template, or choose another"
                     " `chat_template`."
                 ) from None
-            # The template refused on its own (`raise_exception`, a plain `TemplateError`), e.g. roles out of order.
+            # The template refused on its own (`raise_exception`, a plain `TemplateError`): about roles, tools, a
+            # system turn, whatever its authors check. Its message is the diagnosis, so it leads, quoted as the
+            # template's; what was rendered follows, since a prefix with the generation prompt is ours, not the record.
             roles = [message["role"] for message in messages]
+            prompt = ", with the generation prompt" if add_generation_prompt else ""
             raise MisconfigurationException(
-                f"InstructionDataModule: {self.name} refused the conversation prefix with roles"
-                f" {roles}: {str(error).rstrip('.')}. Fix the record's roles, or choose another `chat_template`."
+                f"InstructionDataModule: {self.name} raised its own error: {str(error).strip()!r} (rendering the first"
+                f" {len(messages)} messages of a conversation{prompt}, roles {roles}). That message is the template's"
+                " (its `raise_exception`): change the record as it asks, or choose another `chat_template`."
             ) from None
 
 

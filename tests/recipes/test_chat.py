@@ -193,11 +193,20 @@ def test_a_broken_template_is_blamed_not_the_records_roles(template: str, match:
     assert "roles" not in str(refused.value)
 
 
-def test_a_template_that_refuses_the_roles_blames_the_roles() -> None:
-    """Control: the template's own `raise_exception` is about the record, and says so."""
-    template = "{% if messages[0].role != 'system' %}{{ raise_exception('Begin with a system turn.') }}{% endif %}"
-    with pytest.raises(MisconfigurationException, match=r"roles \['user'\]: Begin with a system turn\. Fix the record"):
+@pytest.mark.parametrize("said", ["Begin with a system turn.", "This template does not support tools."])
+def test_a_template_that_raises_is_reported_in_its_own_words(said: str) -> None:
+    """Control of the test above: the template's own `raise_exception` is quoted as the template's message.
+
+    It was reported as a roles error ("refused the conversation prefix with roles ...: Fix the record's roles") for
+    whatever the template checked.
+    """
+    template = f"{{% if messages[0].role != 'system' %}}{{{{ raise_exception({said!r}) }}}}{{% endif %}}"
+    with pytest.raises(MisconfigurationException) as refused:
         encode(CHAT_RECORD, _tokenizer(), 64, chat_format(_tokenizer(), template))
+    message = str(refused.value)
+    assert message.startswith(f"InstructionDataModule: the chat template given inline raised its own error: {said!r}")
+    assert "the first 1 messages of a conversation, with the generation prompt, roles ['user']" in message
+    assert "That message is the template's (its `raise_exception`)" in message and "Fix the record" not in message
 
 
 def test_chat_template_choices(tmp_path: Path) -> None:
