@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -15,7 +16,7 @@ from typing_extensions import override
 
 from lightning_blockwise.cli.plan_longest import TABLE_CARDS_GIB, TABLE_LENGTHS
 from lightning_blockwise.kernels.liger import LIGER_MODEL_TYPES
-from lightning_blockwise.planning import parse_bytes
+from lightning_blockwise.planning import card_bytes, parse_bytes
 from lightning_blockwise.planning.longest import DEFAULT_LINK_GBPS, DEFAULT_TFLOPS
 from lightning_blockwise.planning.recommend import check_card
 from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES
@@ -114,17 +115,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _memory_size(text: str) -> int:
-    """An argparse ``type``: a positive memory size such as ``16GiB``, in bytes."""
+def _memory_size(text: str, parse: Callable[[str], int] = parse_bytes) -> int:
+    """An argparse ``type``: a positive memory size such as ``16GiB``, in bytes (read by ``parse``)."""
     try:
-        return parse_bytes(text)
+        return parse(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _card_size(text: str) -> int:
-    """An argparse ``type``: a card's memory such as ``24GiB``, in bytes, larger than the CUDA context takes."""
-    size = _memory_size(text)
+    """An argparse ``type``: a card's memory, ``24GB`` or ``24GiB`` alike (``card_bytes``), larger than its context."""
+    size = _memory_size(text, card_bytes)
     try:
         check_card(size)
     except ValueError as error:

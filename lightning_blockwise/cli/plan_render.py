@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_blockwise.planning import format_gb
 from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, Recommendation
+from lightning_blockwise.planning.units import format_card, format_gb
 
 
 def kernels_setting(advice: Recommendation) -> str | None:
@@ -196,6 +196,8 @@ def _attention_text(attention_tile_tokens: int | None, tokens: int, masked_row: 
 def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows of a card's recommendation: settings to copy, what they predict, what they cost on the host."""
     card = f"on a {advice['gpu_memory'] / 2**30:g} GiB card"
+    # The first row names the size planned for in both units: `--card 24GB` and `24GiB` are the same card.
+    sized = f"on a {format_card(advice['gpu_memory'])}"
     chunk = advice["loss_chunk_tokens"]
     tile = advice["mlp_tile_tokens"]
     if not advice["fits"]:
@@ -207,7 +209,7 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
         even = _and(list(filter(None, tried)))
         return [
             (
-                card,
+                sized,
                 f"does not fit{f' even with {even}' if even else ''}: needs a budget of"
                 f" {format_gb(advice['minimum_bytes'])}, the card allows {format_gb(advice['vram_budget'])};"
                 " shorten --seq-len or --batch-size, or lower --prefetch-depth",
@@ -216,7 +218,7 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
     settings = ", ".join(f"{name}: {_yaml(value)}" for name, value in advice["strategy_settings"].items())
     rows = [
         (
-            card,
+            sized,
             f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])} allocated"
             f" ({format_gb(advice['predicted_reserved_bytes'])} with the allocator's headroom),"
             f" {advice['resident_blocks']} blocks resident, {advice['kept_blocks']} keeping their activations",

@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_blockwise.cli.plan_longest import ContextFit, Machine
 from lightning_blockwise.cli.plan_render import kernels_setting
-from lightning_blockwise.planning import format_gb
+from lightning_blockwise.planning.units import format_card, format_gb
 
 #: What each memory's name means where a length does not fit.
 _WHY = {
@@ -109,7 +109,7 @@ def fit_fields(fit: ContextFit | None) -> dict[str, Any] | None:
 
 def longest_text(longest: ContextFit | None, after: ContextFit, machine: Machine, model: str) -> str:
     """The answer of ``--longest``: the length, what stops a longer one, what it needs, and the settings to copy."""
-    where = f"a {machine.card / 2**30:g} GiB card and {machine.host_ram / 2**30:g} GiB of host RAM"
+    where = f"a {format_card(machine.card)} and {machine.host_ram / 2**30:g} GiB of host RAM"
     stop = " and ".join(after.binds) or "nothing"
     if longest is None:
         return (

@@ -6,6 +6,15 @@ particular; the strategy and the ``plan`` command say them in their own terms.
 
 from lightning_blockwise.planning.blocks import BlockPlan
 from lightning_blockwise.planning.memory import ResidencyPlan, StepShape, plan_residency
-from lightning_blockwise.planning.units import format_gb, format_gib, parse_bytes
+from lightning_blockwise.planning.units import card_bytes, format_gb, format_gib, parse_bytes
 
-__all__ = ["BlockPlan", "ResidencyPlan", "StepShape", "format_gb", "format_gib", "parse_bytes", "plan_residency"]
+__all__ = [
+    "BlockPlan",
+    "ResidencyPlan",
+    "StepShape",
+    "card_bytes",
+    "format_gb",
+    "format_gib",
+    "parse_bytes",
+    "plan_residency",
+]

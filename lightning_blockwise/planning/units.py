@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 
 def parse_bytes(value: int | str) -> int:
@@ -36,6 +37,28 @@ def parse_bytes(value: int | str) -> int:
     return nbytes
 
 
+# NOTE [ Cards are sold in binary gigabytes ]
+# A card sold as "24 GB" (an RTX 4090, an L4) has 24 GiB of memory: GPU makers write GB for 2**30 bytes. Read
+# decimally, `plan --card 24GB` planned a 22.35 GiB card, 7% less than the user has, and answered 112,640 tokens
+# where `--card 24GiB` answered 122,880. A card's size given in GB (or MB, TB) is therefore read in the binary
+# unit; sizes of other things (a vram_budget, a file) keep the decimal meaning `parse_bytes` gives them.
+def card_bytes(value: int | str) -> int:
+    """A GPU's memory from an int or a string like ``"24GB"`` or ``"24GiB"``, GB read as GiB (NOTE above).
+
+    Raises:
+        ValueError: As :func:`parse_bytes`.
+    """
+    if not isinstance(value, str):
+        return parse_bytes(value)
+    # "24GB", "24 gb", "24000MB": the decimal spellings of a card's size mean the binary units.
+    binary = re.sub(r"(?i)([KMGT])B$", r"\1iB", value.strip())
+    try:
+        return parse_bytes(binary)
+    except ValueError:
+        # The same mistake either way (a bad number, not the unit): worded with what the user wrote.
+        return parse_bytes(value)
+
+
 def format_gb(nbytes: int | float, *, digits: int = 2) -> str:
     """``nbytes`` in decimal gigabytes, as the package's reports print them: ``"3.11 GB"``.
 
@@ -46,9 +69,14 @@ def format_gb(nbytes: int | float, *, digits: int = 2) -> str:
     return f"{nbytes / 1e9:.{digits}f} GB"
 
 
+def format_card(nbytes: int) -> str:
+    """A card's memory in both units, so that the size planned for is plain: ``"24 GiB card (25.77 GB)"``."""
+    return f"{nbytes / 2**30:g} GiB card ({nbytes / 1e9:.2f} GB)"
+
+
 def format_gib(nbytes: int | float) -> str:
     """``nbytes`` in binary gibibytes, as budgets are given: ``"16.00 GiB"``."""
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-__all__ = ["format_gb", "format_gib", "parse_bytes"]
+__all__ = ["card_bytes", "format_card", "format_gb", "format_gib", "parse_bytes"]

@@ -120,7 +120,9 @@ def test_kept_layers_are_not_counted_as_recomputed(
 def test_longest_prints_the_answer_and_settings_to_copy(capsys: pytest.CaptureFixture[str]) -> None:
     main(["plan", "--shape", "7b", "--card", "24GiB", "--host-ram", "128GiB", "--longest", *OWN])
     out = capsys.readouterr().out
-    assert out.startswith("longest context of 7b on a 24 GiB card and 128 GiB of host RAM: 122,880 tokens (batch 1)")
+    assert out.startswith(
+        "longest context of 7b on a 24 GiB card (25.77 GB) and 128 GiB of host RAM: 122,880 tokens (batch 1)"
+    )
     assert "123,904 tokens do not fit: card binds" in out
     assert re.search(r"expected step: [\d.]+ s, compute-bound \(compute [\d.]+ s at 150 TFLOP/s", out)
     assert (
@@ -138,7 +140,9 @@ def test_longest_prints_the_answer_and_settings_to_copy(capsys: pytest.CaptureFi
 def test_longest_says_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     main(["plan", "--shape", "72b", "--card", "4GiB", "--host-ram", "512GiB", "--longest"])
     out = capsys.readouterr().out
-    assert out.startswith("72b does not train even 1,024 tokens on a 4 GiB card and 512 GiB of host RAM: too small is")
+    assert out.startswith(
+        "72b does not train even 1,024 tokens on a 4 GiB card (4.29 GB) and 512 GiB of host RAM: too small is"
+    )
     assert "the card: even every block streamed" in out and re.search(r"a budget of [\d.]+ GB against", out)
 
 
