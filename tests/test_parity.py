@@ -8,16 +8,29 @@ adapter weights and the AdamW state.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from torch import Tensor
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.replay import remat
+from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.rng import RngSnapshot
-from tests.helpers.models import CONFIGS, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import (
+    CONFIGS,
+    CausalLMModule,
+    assert_equal_runs,
+    build_model,
+    fit,
+    left_padded,
+    padded_batches,
+    runs_differ,
+)
 
 ARCHS = sorted(CONFIGS)
 
@@ -96,3 +109,33 @@ def test_dora_parity_and_control(
     assert_equal_runs(resident, fit(CausalLMModule(build), "blockwise"))
     monkeypatch.setattr(RngSnapshot, "replay", lambda self: torch.random.fork_rng(devices=[]))
     assert runs_differ(resident, fit(CausalLMModule(build), "blockwise"))
+
+
+#: The architectures whose right-padded parity a replay without the attention mask passed (issue 41, item 12).
+MASK_BLIND_ON_RIGHT_PADDING = ["llama", "phi3", "qwen3"]
+
+
+@pytest.mark.parametrize("model_type", MASK_BLIND_ON_RIGHT_PADDING)
+def test_left_padded_parity(model_type: str) -> None:
+    """Left-padded batches: the real tokens come after the padding, so only the mask keeps them off it."""
+    batches = left_padded(padded_batches(8))
+    assert any(bool(batch["attention_mask"][:, 0].eq(0).any()) for batch in batches)
+    resident = fit(CausalLMModule(lambda: build_model(model_type)), "auto", batches)
+    assert_equal_runs(resident, fit(CausalLMModule(lambda: build_model(model_type)), "blockwise", batches))
+
+
+@pytest.mark.parametrize("model_type", MASK_BLIND_ON_RIGHT_PADDING)
+def test_control_left_padded_parity_sees_a_replay_without_the_mask(
+    model_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recompute without the attention mask differs on left-padded batches (on right-padded ones it matched)."""
+    rerun = remat.RematLayer.rerun
+
+    def without_mask(self: remat.RematLayer, hidden: Tensor, call: LayerCall) -> Tensor:
+        kwargs = {k: v for k, v in call.kwargs.items() if k != "attention_mask"}
+        return rerun(self, hidden, dataclasses.replace(call, kwargs=kwargs))
+
+    batches = left_padded(padded_batches(8))
+    resident = fit(CausalLMModule(lambda: build_model(model_type)), "auto", batches)
+    monkeypatch.setattr(remat.RematLayer, "rerun", without_mask)
+    assert runs_differ(resident, fit(CausalLMModule(lambda: build_model(model_type)), "blockwise", batches))

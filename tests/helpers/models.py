@@ -216,6 +216,19 @@ def padded_batches(
     return batches
 
 
+def left_padded(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """``batches`` (right-padded) with each row's padding moved to its start, as batched generation pads.
+
+    Real tokens then follow the padding, so their outputs depend on the attention mask; with right padding causal
+    attention alone keeps them off the padding, and a replay that dropped the mask still matched (issue 41).
+    """
+    left = []
+    for batch in batches:
+        shifts = (batch["attention_mask"] == 0).sum(dim=1).tolist()
+        left.append({k: torch.stack([row.roll(n) for row, n in zip(v, shifts, strict=True)]) for k, v in batch.items()})
+    return left
+
+
 def unmasked(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
     """``batches`` with nothing masked: attention runs causal without a mask, so the blockwise strategy makes no
     re-plan for masked rows at the first step (NOTE [ Masked attention ] in planning/step_shape.py). For tests whose
