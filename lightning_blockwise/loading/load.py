@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from lightning_blockwise.compat.bitsandbytes import is_4bit_weight
+from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.loading.conversions import CheckpointMap
 from lightning_blockwise.loading.files import checkpoint_files, load_config, open_checkpoint
 from lightning_blockwise.loading.meta_model import build_meta_model, check_keys, load_rest, load_tensors, tensor_names
@@ -104,7 +105,8 @@ def load_blockwise(
         The model, in train mode, with ``is_loaded_in_4bit`` set unless ``quantize=False``.
 
     Raises:
-        MisconfigurationException: If the checkpoint is missing or incomplete, the settings are not
+        MisconfigurationException: If ``progress``, ``share`` or ``quantize`` is not a bool (NOTE [ A string is not a
+            flag ] in compat/flags.py), the checkpoint is missing or incomplete, the settings are not
             4-bit NF4, ``quantize=False`` meets a ``quantization_config`` or a pre-quantized checkpoint,
             or the arena does not fit the available host RAM (checked from ``config.json``
             before any tensor is read).
@@ -121,6 +123,8 @@ def load_blockwise(
 
         Trainer(strategy=BlockwiseStrategy(block_size=1), accelerator="gpu", precision="bf16-mixed").fit(Module())
     """
+    for name, flag in (("progress", progress), ("share", share), ("quantize", quantize)):
+        check_flag("load_blockwise", name, flag)
     # Lightning calls `configure_model` under `torch.device(root_device)`; what is not placed explicitly here
     # (the non-layer modules, computed buffers such as rotary frequencies, the arena) is host memory, whatever
     # the caller's default device.

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_blockwise.architectures import decoder_layers, no_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import nf4_config
+from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.loading.packing import (
     bind_shared_block,
     block_ranges,
@@ -109,8 +110,9 @@ def random_blockwise(
         The model, in train mode.
 
     Raises:
-        MisconfigurationException: If ``block_size`` is below 1, the model has no decoder stack or linears outside it
-            other than the LM head, or the arena does not fit the available host RAM (checked before anything is
+        MisconfigurationException: If ``share``, ``progress`` or ``quantize`` is not a bool (NOTE [ A string is not
+            a flag ] in compat/flags.py), ``block_size`` is below 1, the model has no decoder stack or linears outside
+            it other than the LM head, or the arena does not fit the available host RAM (checked before anything is
             drawn; the message says how many layers would fit).
 
     Example::
@@ -119,6 +121,8 @@ def random_blockwise(
         model = random_blockwise(config, seed=0, block_size=1)
         Trainer(strategy=BlockwiseStrategy(block_size=1), accelerator="gpu").fit(Module(model))
     """
+    for name, flag in (("share", share), ("progress", progress), ("quantize", quantize)):
+        check_flag("random_blockwise", name, flag)
     if block_size < 1:
         raise MisconfigurationException(
             f"random_blockwise(block_size={block_size}): a block holds at least 1 decoder layer; pass the strategy's"

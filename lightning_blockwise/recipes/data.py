@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,8 +27,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.recipes.chat import AUTO, chat_format
 from lightning_blockwise.recipes.encoding import IGNORE_INDEX, PadCollator, byte_tokenizer, encode, real_targets
 from lightning_blockwise.recipes.packing import PackCollator, pack
@@ -82,8 +84,9 @@ class InstructionDataModule(pl.LightningDataModule):
         packing: Pack several examples into each row of ``max_length`` tokens.
 
     Raises:
-        MisconfigurationException: If ``max_length`` < 2, ``val_fraction`` is not in [0, 1), or ``chat_template`` is
-            not one of its choices.
+        MisconfigurationException: If ``max_length`` < 2, ``val_fraction`` is not in [0, 1), ``chat_template`` is
+            not one of its choices, ``assistant_only_loss`` or ``packing`` is not a bool, ``tokenizer`` does not exist
+            or holds no tokenizer, or (at setup, when fitting) the split leaves no training example.
     """
 
     def __init__(
@@ -104,10 +107,10 @@ class InstructionDataModule(pl.LightningDataModule):
             raise MisconfigurationException(f"InstructionDataModule(max_length={max_length}) must be at least 2.")
         if not 0 <= val_fraction < 1:
             raise MisconfigurationException(f"InstructionDataModule(val_fraction={val_fraction}) must be in [0, 1).")
+        check_flag("InstructionDataModule", "assistant_only_loss", assistant_only_loss)
+        check_flag("InstructionDataModule", "packing", packing)
         self.save_hyperparameters()
-        self.tokenizer = (
-            byte_tokenizer() if tokenizer is None else AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-        )
+        self.tokenizer = byte_tokenizer() if tokenizer is None else _local_tokenizer(tokenizer)
         if self.tokenizer.pad_token_id is None:
             # Padding is masked everywhere (label -100, and mask 0 or a sequence of its own), so any id serves.
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -117,17 +120,24 @@ class InstructionDataModule(pl.LightningDataModule):
         self.train_set: _Rows | None = None
         self.val_set: _Rows | None = None
         self.dropped = 0
+        self.examples = 0  # kept at setup (two tokens to train on), before the split
 
     def setup(self, stage: str) -> None:
-        """Read, encode, filter and split the records, and pack them if asked (once)."""
+        """Read, encode, filter and split the records, and pack them if asked (once).
+
+        Raises:
+            MisconfigurationException: If no record has two tokens to train on, or (when fitting) the split leaves no
+                training example: a fit would run 0 steps and export an untrained adapter.
+        """
         if self.train_set is not None:
+            self._check_training_rows(stage)
             return
         hp = self.hparams
         rank_zero_info(f"InstructionDataModule: rendering the records with {self.chat.name}.")
         records = load_records(hp.path)
         rows = [encode(r, self.tokenizer, hp.max_length, self.chat, hp.assistant_only_loss) for r in records]
         kept = [row for row in rows if real_targets(row["labels"]) >= 2]
-        self.dropped = len(rows) - len(kept)
+        self.dropped, self.examples = len(rows) - len(kept), len(kept)
         if not kept:
             raise MisconfigurationException(
                 f"InstructionDataModule: none of the {len(rows)} records of {hp.path} has two tokens to train on"
@@ -150,6 +160,7 @@ class InstructionDataModule(pl.LightningDataModule):
                 f" {hp.max_length} tokens (the train rows {tokens / max(1, len(train) * hp.max_length):.0%} full)."
             )
         self.train_set, self.val_set = _Rows(train), _Rows(val)
+        self._check_training_rows(stage)
 
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled training batches, in an order fixed by ``seed``; a checkpoint resumes it mid-epoch.
@@ -171,6 +182,18 @@ class InstructionDataModule(pl.LightningDataModule):
         """The validation batches, to predict on."""
         return self._validation_loader()
 
+    def _check_training_rows(self, stage: str) -> None:
+        """Refuse to fit on a split without a training example: 0 steps, then an untrained adapter exported."""
+        if stage != "fit" or len(self.train_set):
+            return
+        hp = self.hparams
+        raise MisconfigurationException(
+            f"InstructionDataModule(val_fraction={hp.val_fraction}): the split leaves 0 training examples: all"
+            f" {self.examples} examples kept from {hp.path} go to validation ({self.dropped} records dropped). A fit"
+            " would train 0 steps and export an untrained adapter. Lower `val_fraction` (e.g. 0.1; 0.0 trains on"
+            " every example) or add records."
+        )
+
     def _pack(self, examples: list[dict[str, list[int]]]) -> list[list[dict[str, list[int]]]]:
         # Once, at setup, not per epoch: the number of rows (Lightning's batches per epoch, and the schedule's
         # length) stays fixed, and `_EpochOrder` shuffles and resumes the rows as it does examples.
@@ -184,6 +207,24 @@ class InstructionDataModule(pl.LightningDataModule):
         pad_id = self.tokenizer.pad_token_id
         collate = PackCollator(pad_id) if self.hparams.packing else PadCollator(pad_id)
         return {"collate_fn": collate, "num_workers": self.hparams.num_workers}
+
+
+def _local_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer in the local directory ``path``, or an error that names the path (never a download)."""
+    if not Path(path).exists():
+        # Hugging Face takes a missing path for a hub repo id and says its name is malformed ("Repo id must be ...").
+        raise MisconfigurationException(
+            f"InstructionDataModule(tokenizer={path!r}): {path} does not exist. Give the local directory that holds"
+            " the model's tokenizer (the checkpoint's, usually), or None for the byte-level tokenizer; nothing is"
+            " downloaded."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise MisconfigurationException(
+            f"InstructionDataModule(tokenizer={path!r}): no tokenizer could be loaded from {path} ({error})."
+            " Give the directory that holds the model's tokenizer files (tokenizer.json or tokenizer_config.json)."
+        ) from None
 
 
 class _RandomTokens(Dataset):

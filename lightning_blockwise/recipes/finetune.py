@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
@@ -38,13 +39,13 @@ from lightning_blockwise.recipes.kernel_choice import (
     kernel_choice,
     resolve_auto,
 )
-from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
+from lightning_blockwise.recipes.optimizers import OPTIMIZER_KEY, build_optimizer, check_resumed_optimizer
 from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
 from lightning_blockwise.recipes.rank_zero_export import export_on_rank_zero
+from lightning_blockwise.recipes.recipe_options import check_recipe_options
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
-_LOADERS = ("auto", "standard", "blockwise")
 #: The checkpoint key of the kernels the model computed with (:meth:`CausalLMFineTune.on_load_checkpoint`).
 _KERNELS_KEY = "lightning_blockwise_kernels"
 
@@ -136,7 +137,9 @@ class CausalLMFineTune(pl.LightningModule):
     ``attention_tile_tokens``, which :class:`BlockwiseStrategy`'s planner reads.
 
     Raises:
-        MisconfigurationException: If ``loader`` or ``optimizer`` is not one of its choices, ``loss_chunk_tokens``,
+        MisconfigurationException: If ``loader``, ``optimizer`` or ``dora_norm`` is not one of its choices, a flag
+            (``use_dora``, ``quantize``, ...) is not ``True`` or ``False`` (a string: NOTE [ A string is not a flag ]
+            in compat/flags.py), ``loss_chunk_tokens``,
             ``mlp_tile_tokens`` or ``attention_tile_tokens`` is neither ``None`` nor an integer of at least 1, or
             ``kernels`` names an unknown kernel, ``"liger"`` without Liger-Kernel installed, ``"fused_lora"`` with
             DoRA, or (when the model is built, before the base loads) ``adapter_path`` holds no
@@ -179,19 +182,7 @@ class CausalLMFineTune(pl.LightningModule):
         allow_other_base: bool = False,
     ) -> None:
         super().__init__()
-        if loader not in _LOADERS:
-            raise MisconfigurationException(
-                f"CausalLMFineTune(loader={loader!r}): choose one of {', '.join(map(repr, _LOADERS))}."
-            )
-        if optimizer not in OPTIMIZERS:
-            raise MisconfigurationException(
-                f"CausalLMFineTune(optimizer={optimizer!r}): choose one of {', '.join(map(repr, OPTIMIZERS))}."
-            )
-        if dora_norm not in ("dense", "factored"):
-            raise MisconfigurationException(f"CausalLMFineTune(dora_norm={dora_norm!r}): choose 'dense' or 'factored'.")
-        _check_count("loss_chunk_tokens", loss_chunk_tokens, "1024 rows of logits at a time")
-        _check_count("mlp_tile_tokens", mlp_tile_tokens, "4096 tokens per tile")
-        _check_count("attention_tile_tokens", attention_tile_tokens, "16384 queries per tile")
+        check_recipe_options(locals())
         # With `adapter_path` the adapter's own config decides DoRA: checked when the model is built, before the base.
         self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora and adapter_path is None)
         compute_dtype, quantize = base_record.adapter_settings(adapter_path, compute_dtype, quantize)  # saved below
@@ -301,6 +292,7 @@ class CausalLMFineTune(pl.LightningModule):
         checkpointing.py, ``save_frozen_base``); elsewhere the module does the same. The kernels the model computes
         with, and the base (recipes/base_record.py), are recorded, so that a resume is checked against them.
         """
+        checkpoint[OPTIMIZER_KEY] = self.hparams.optimizer
         if self._installed_kernels is not None:
             checkpoint[_KERNELS_KEY] = self._installed_kernels
         if self._record is not None:
@@ -311,7 +303,10 @@ class CausalLMFineTune(pl.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a resume over another base, or with other kernels than ``"auto"`` chose, whatever the strategy.
+        """Refuse a resume over another base, with other kernels than ``"auto"`` chose, or with another optimizer.
+
+        The optimizer is checked when fitting, before Lightning loads its state (NOTE [ An optimizer's state resumes
+        into its own kind only ] in recipes/optimizers.py).
 
         Raises:
             MisconfigurationException: Naming what differs and the argument that resumes the run as it was.
@@ -319,6 +314,8 @@ class CausalLMFineTune(pl.LightningModule):
         frozen = {name for name, param in self.named_parameters() if not param.requires_grad}
         self._record = base_record.check_resumed_base(checkpoint, self._record, frozen, self.hparams.allow_other_base)
         check_resumed_kernels(checkpoint.get(_KERNELS_KEY), self._installed_kernels, self.hparams.kernels)
+        if self.trainer.state.fn == TrainerFn.FITTING:  # only a fit loads the optimizer's state
+            check_resumed_optimizer(checkpoint, self.hparams.optimizer)
 
     def on_fit_start(self) -> None:
         """Note that this fit has not exported its adapter yet."""
@@ -378,16 +375,6 @@ class CausalLMFineTune(pl.LightningModule):
         if self.hparams.adapter_dir:
             return Path(self.hparams.adapter_dir)
         return Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter"
-
-
-def _check_count(name: str, value: int | None, example: str) -> None:
-    """Refuse a long-context option that is neither ``None`` nor an integer of at least 1."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return
-    raise MisconfigurationException(
-        f"CausalLMFineTune({name}={value!r}) must be an integer of at least 1 (e.g. {example}), or None to"
-        " leave it off."
-    )
 
 
 __all__ = ["CausalLMFineTune"]

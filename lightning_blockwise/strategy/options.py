@@ -8,6 +8,7 @@ import torch
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.planning import parse_bytes
 
 
@@ -18,26 +19,17 @@ def check_count(name: str, value: Any, why: str = "") -> None:
 
 
 def check_optional_bool(name: str, value: Any) -> None:
-    """Refuse a strategy option that must be ``True``, ``False`` or ``None``."""
-    if value is not None and not isinstance(value, bool):
-        raise MisconfigurationException(
-            f"`BlockwiseStrategy({name}={value!r})` must be True, False or None (None decides from the plan)."
-        )
+    """Refuse a strategy option that must be ``True``, ``False`` or ``None`` (NOTE [ A string is not a flag ])."""
+    check_flag("BlockwiseStrategy", name, value, none_means="decides from the plan")
 
 
 def check_bool(name: str, value: Any) -> None:
-    """Refuse a strategy option that must be ``True`` or ``False``.
+    """Refuse a strategy option that must be ``True`` or ``False`` (NOTE [ A string is not a flag ] in compat/flags.py).
 
     A string is refused too: ``"no"`` and ``"false"`` are truthy, so ``save_frozen_base="no"`` would write the
     whole base into every checkpoint.
     """
-    if not isinstance(value, bool):
-        # Any non-empty string reads as True, so say so: `"no"` and `"false"` would otherwise look like False.
-        truthy = " (every non-empty string reads as True)" if isinstance(value, str) else ""
-        raise MisconfigurationException(
-            f"`BlockwiseStrategy({name}={value!r})` must be True or False, not a {type(value).__name__}{truthy}."
-            f" Write `{name}=True` or `{name}=False` in Python, or `{name}: true` / `false` unquoted in YAML."
-        )
+    check_flag("BlockwiseStrategy", name, value)
 
 
 #: The ``vram_budget`` that plans for the whole card (NOTE [ The card as the default budget ] in device_memory.py).

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
+import lightning_blockwise.loading.load
 import lightning_blockwise.residency.arena
 import lightning_blockwise.residency.layout
 from lightning_blockwise import BlockwiseStrategy
@@ -494,3 +495,25 @@ def test_a_detached_host_copy_is_not_reused(saved: dict[str, Path]) -> None:
     strategy = BlockwiseStrategy(block_size=1)
     fit(module, strategy, max_steps=1)
     assert strategy.host_copy is not None and strategy.host_copy is not loaded
+
+
+@pytest.mark.parametrize("name", ["share", "progress", "quantize"])
+def test_a_flag_that_is_not_a_bool_is_refused(saved: dict[str, Path], name: str) -> None:
+    """NOTE [ A string is not a flag ] in compat/flags.py: `share="no"` shared; now it is refused before any work."""
+    with pytest.raises(MisconfigurationException, match=rf"^`load_blockwise\({name}='no'\)` must be True or False"):
+        load_blockwise(saved["llama-bf16"], compute_dtype=torch.float32, device="cpu", **{name: "no"})
+
+
+def test_control_without_the_check_share_no_shares(saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the check prevents: `share="no"` serves the copy to other processes, as `share=True` does."""
+    monkeypatch.setattr(lightning_blockwise.loading.load, "check_flag", lambda *args, **kwargs: None)
+    served = {}
+    for share in ("no", False):
+        model = load_blockwise(
+            saved["llama-bf16"], compute_dtype=torch.float32, device="cpu", progress=False, share=share
+        )
+        copy = detach_host_copy(model)
+        served[share] = copy.serving is not None
+        if copy.serving is not None:
+            copy.serving.release()  # no thread left serving it to the tests that follow
+    assert served == {"no": True, False: False}

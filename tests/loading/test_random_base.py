@@ -283,3 +283,12 @@ def test_refusals_name_the_argument() -> None:
     gpt2 = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB)
     with pytest.raises(MisconfigurationException, match="random_blockwise"):
         _build(gpt2, 0, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["share", "progress", "quantize"])
+def test_a_flag_that_is_not_a_bool_is_refused(name: str) -> None:
+    """NOTE [ A string is not a flag ] in compat/flags.py: `share="no"` is refused, as `load_blockwise`'s is."""
+    with pytest.raises(MisconfigurationException, match=rf"^`random_blockwise\({name}='no'\)` must be True or False"):
+        _build(CONFIGS["qwen2"](), 0, torch.float32, **{name: "no"})
+    # Control: the bools are taken.
+    assert host_copy_of(_build(CONFIGS["qwen2"](), 0, torch.float32, **{name: False})).is_bound()

@@ -544,3 +544,41 @@ def test_fit_resumed_from_a_checkpoint_trains_on_the_same_batches(
     assert resumed == reference[step:]
     # Control: the epochs differ, so a resume that replayed epoch 0 would have been caught.
     assert [batch for _, batch in reference[:per_epoch]] != [batch for _, batch in reference[per_epoch : 2 * per_epoch]]
+
+
+def test_a_split_without_training_examples_is_refused_when_fitting(tmp_path: Path) -> None:
+    """Two examples kept and `val_fraction=0.9` hold both out: a fit trained 0 steps and exported its adapter."""
+    path = _write(tmp_path / "d.jsonl", RECORDS, jsonl=True)
+    message = (
+        r"^InstructionDataModule\(val_fraction=0\.9\): the split leaves 0 training examples: all 2 examples kept from"
+        r" .*d\.jsonl go to validation \(2 records dropped\)\. .*Lower `val_fraction`"
+    )
+    with pytest.raises(MisconfigurationException, match=message):
+        InstructionDataModule(str(path), max_length=47, val_fraction=0.9).setup("fit")
+    # Control: validating needs no training example (the split is what the fit had: nothing to train on), and a
+    # data module set up that way is refused when it is then fitted.
+    data = InstructionDataModule(str(path), max_length=47, val_fraction=0.9)
+    data.setup("validate")
+    assert len(data.train_set) == 0 and len(data.val_set) == 2
+    with pytest.raises(MisconfigurationException, match=message):
+        data.setup("fit")
+
+
+def test_a_missing_tokenizer_path_is_named(tmp_path: Path) -> None:
+    """Hugging Face took the missing path for a hub repo id: "Repo id must be in the form ..."."""
+    missing = tmp_path / "no-tokenizer-here"
+    with pytest.raises(MisconfigurationException, match=rf"tokenizer='{missing}'\): {missing} does not exist\. Give"):
+        InstructionDataModule(str(tmp_path / "d.jsonl"), tokenizer=str(missing))
+    # Control: a directory that exists but holds no tokenizer is another error, which names it too.
+    with pytest.raises(MisconfigurationException, match=rf"no tokenizer could be loaded from {tmp_path}"):
+        InstructionDataModule(str(tmp_path / "d.jsonl"), tokenizer=str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["assistant_only_loss", "packing"])
+def test_a_flag_that_is_not_a_bool_is_refused(tmp_path: Path, name: str) -> None:
+    """NOTE [ A string is not a flag ] in compat/flags.py: `packing="no"` packed."""
+    with pytest.raises(MisconfigurationException, match=rf"^`InstructionDataModule\({name}='no'\)` must be True or"):
+        InstructionDataModule(str(tmp_path / "d.jsonl"), **{name: "no"})
+    # Control: the bools are taken.
+    for ok in (True, False):
+        assert InstructionDataModule(str(tmp_path / "d.jsonl"), **{name: ok}).hparams[name] is ok

@@ -18,9 +18,10 @@ from torch import Tensor
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import main
 from lightning_blockwise.compat.bitsandbytes.optimizers import MIN_8BIT_SIZE
+from lightning_blockwise.recipes import finetune
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from lightning_blockwise.recipes.optimizers import OPTIMIZERS, build_optimizer
+from lightning_blockwise.recipes.optimizers import OPTIMIZER_KEY, OPTIMIZERS, build_optimizer
 from tests.helpers.models import VOCAB, trainer
 
 #: Rank 128 on the tiny llama (hidden 32, MLP 64, 16-wide k/v): q/o/gate/up/down adapter matrices have 4096 or 8192
@@ -181,3 +182,50 @@ def test_8bit_adamw_resumes_exactly_from_a_lean_checkpoint(checkpoints: dict[str
     fresh = _run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "third", ckpt_path=tmp_path / "no-moments.ckpt")
     assert torch.equal(fresh.losses[0], resumed.losses[0])
     assert any(not torch.equal(value, fresh.adapters[name]) for name, value in resumed.adapters.items())
+
+
+def _saved_at_resume(checkpoint: Path, root: Path, optimizer: str) -> Path:
+    """The checkpoint of a run with ``optimizer`` stopped after ``RESUME_AT`` steps (moments in its state)."""
+    every_step = ModelCheckpoint(root / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    _run(
+        checkpoint, BlockwiseStrategy(), root / "first", optimizer=optimizer, callbacks=[every_step, _StopAt(RESUME_AT)]
+    )
+    return root / "ckpt" / f"step={RESUME_AT}.ckpt"
+
+
+@pytest.mark.parametrize(("saved_with", "resumed_with"), [("adamw8bit", "adamw"), ("adamw", "paged_adamw8bit")])
+def test_resume_with_another_kind_of_optimizer_is_refused_before_the_load(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_with: str, resumed_with: str
+) -> None:
+    """NOTE [ An optimizer's state resumes into its own kind only ]: both names and the fix, not a bare KeyError."""
+    saved = _saved_at_resume(checkpoints["llama"], tmp_path, saved_with)
+    assert torch.load(saved, weights_only=True)[OPTIMIZER_KEY] == saved_with
+    message = (
+        rf"^CausalLMFineTune\(optimizer='{resumed_with}'\): the checkpoint was trained with optimizer='{saved_with}',"
+        rf".* Pass `optimizer='{saved_with}'` \(YAML: `optimizer: {saved_with}`\) to resume the run"
+    )
+    with pytest.raises(MisconfigurationException, match=message):
+        _run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "second", optimizer=resumed_with, ckpt_path=saved)
+    # A checkpoint older than the record is read by its state's keys.
+    unrecorded = torch.load(saved, weights_only=True)
+    del unrecorded[OPTIMIZER_KEY]
+    torch.save(unrecorded, tmp_path / "unrecorded.ckpt")
+    with pytest.raises(MisconfigurationException, match=rf"optimizer='{resumed_with}'\): the checkpoint was trained"):
+        _run(checkpoints["llama"], "auto", tmp_path / "third", resumed_with, ckpt_path=tmp_path / "unrecorded.ckpt")
+    # Control: without the check the resume fails as the issue found it, at the first step, on a missing moment.
+    monkeypatch.setattr(finetune, "check_resumed_optimizer", lambda *args: None)
+    with pytest.raises(KeyError):
+        _run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "fourth", optimizer=resumed_with, ckpt_path=saved)
+
+
+def test_resume_between_the_two_8bit_optimizers_is_allowed_and_exact(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """`AdamW8bit` and `PagedAdamW8bit` keep the same state: the switch is not refused, and resumes exactly.
+
+    Control of the refusal above: the check refuses another kind of state, not another name.
+    """
+    whole = _run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "whole")
+    saved = _saved_at_resume(checkpoints["llama"], tmp_path, "adamw8bit")
+    resumed = _run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "paged", "paged_adamw8bit", ckpt_path=saved)
+    _assert_equal(whole, resumed, steps=STEPS - RESUME_AT)
