@@ -389,13 +389,14 @@ def test_random_numbers_read_ahead_alone_are_exact(checkpoint: Path, resident: A
 
 
 class _SaveAt(Callback):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, at: int = 1) -> None:
         self.path = path
+        self.at = at
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, index: int
     ) -> None:
-        if index == 1:
+        if index == self.at:
             trainer.save_checkpoint(self.path)
 
 
@@ -411,6 +412,35 @@ def test_a_checkpoint_inside_a_window_records_the_loader_without_the_batches_rea
         states.append(torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"])
     assert states[0][0]["_num_yielded"] == 2
     assert states[1] == states[0]
+
+
+def _loader_state_at(checkpoint: Path, path: Path, at: int) -> dict[str, Any]:
+    """The loader state a windowed run's checkpoint after micro-batch ``at`` records (2 windows of 4)."""
+    run = trainer(
+        _blockwise(block_major_accumulation=True),
+        accumulate_grad_batches=ACCUMULATE,
+        max_steps=2,
+        callbacks=[_SaveAt(path, at)],
+    )
+    run.fit(_module(checkpoint), StatefulDataLoader(padded_batches(8), batch_size=None))
+    return torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+
+
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_a_checkpoint_elsewhere_in_a_window_records_the_batches_taken(
+    checkpoint: Path, tmp_path: Path, at: int
+) -> None:
+    """The first and third micro-batches of the first window and the second of the next (issue 41, item 12): the
+    loader is recorded after the batches the loop took, whatever the window read ahead."""
+    assert _loader_state_at(checkpoint, tmp_path / "windowed.ckpt", at)["_num_yielded"] == at + 1
+
+
+def test_control_a_checkpoint_in_a_window_records_the_read_ahead(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the strategy's correction the loader is recorded past the window's batches read ahead."""
+    monkeypatch.setattr(BlockMajorSteps, "checkpoint_loader_state", lambda self, checkpoint: None)
+    assert _loader_state_at(checkpoint, tmp_path / "windowed.ckpt", 2)["_num_yielded"] == ACCUMULATE
 
 
 def test_windows_are_freed(checkpoint: Path) -> None:
