@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck, ParityError, SampleGenerations
 from lightning_blockwise.compat import lightning_namespaces
+from lightning_blockwise.compat.bitsandbytes import keep_4bit_trainable_on_cpu
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.loading.random_base import random_blockwise
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
@@ -30,6 +31,7 @@ __all__ = [
     "ParityError",
     "SampleGenerations",
     "__version__",
+    "keep_4bit_trainable_on_cpu",
     "load_blockwise",
     "random_blockwise",
 ]

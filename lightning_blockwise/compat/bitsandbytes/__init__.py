@@ -13,8 +13,8 @@
   (:data:`SAVED_WEIGHT_ENTRIES`), deserializing a saved weight (:func:`deserialize`,
   :func:`saved_quant_type`), and what checkpoints read from them (:func:`saved_nested_offsets`,
   :func:`is_saved_quantization_metadata`).
-- ``cpu_kernel``: the CPU inference kernel (:func:`disable_cpu_repack`, :func:`restore_cpu_repack`,
-  :func:`is_repacked_for_cpu`).
+- ``cpu_kernel``: the CPU inference kernel (:func:`keep_4bit_trainable_on_cpu`, the public guard;
+  :func:`disable_cpu_repack`, :func:`restore_cpu_repack`, :func:`is_repacked_for_cpu`).
 - ``optimizers``: 8-bit AdamW, plain and paged (:func:`adamw_8bit`), and what its moments cost
   (:data:`MOMENT_BYTES_8BIT`, :data:`MOMENT_BYTES_FP32`, :data:`MIN_8BIT_SIZE`).
 
@@ -29,6 +29,7 @@ from lightning_blockwise.compat.bitsandbytes.config import is_supported_config, 
 from lightning_blockwise.compat.bitsandbytes.cpu_kernel import (
     disable_cpu_repack,
     is_repacked_for_cpu,
+    keep_4bit_trainable_on_cpu,
     restore_cpu_repack,
 )
 from lightning_blockwise.compat.bitsandbytes.formats import Nf4Format, code_table_bytes, nf4_tensor_bytes, pending_nf4
@@ -73,6 +74,7 @@ __all__ = [
     "is_repacked_for_cpu",
     "is_saved_quantization_metadata",
     "is_supported_config",
+    "keep_4bit_trainable_on_cpu",
     "move_code_tables",
     "move_to_host",
     "named_4bit_linears",
