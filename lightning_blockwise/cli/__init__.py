@@ -35,6 +35,7 @@ from typing_extensions import override
 # Imported for its side effect: registering "blockwise" in Lightning's strategy registry
 # before the parser resolves `trainer.strategy`.
 import lightning_blockwise  # noqa: F401
+from lightning_blockwise.cli.construction_errors import constructor_error, one_line
 from lightning_blockwise.cli.data_check import DataCheck
 from lightning_blockwise.cli.export_command import EXPORT_COMMAND, export_command
 from lightning_blockwise.cli.generate_command import GENERATE_COMMAND, generate_command
@@ -237,6 +238,17 @@ class _BlockwiseCLI(LightningCLI):
         )
 
     @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            cause = constructor_error(error)
+            if cause is None:
+                raise
+            # The constructor's own words, without jsonargparse's report of the union around them.
+            raise cause from None
+
+    @override
     def before_fit(self) -> None:
         """Check the config against its data once the data is set up, before the base loads (:class:`DataCheck`)."""
         self.trainer.callbacks.append(DataCheck())
@@ -267,7 +279,11 @@ def main(args: ArgsType = None) -> None:
     elif isinstance(argv, list) and argv[:1] == [VERSIONS_COMMAND]:
         versions_command(argv[1:])
     else:
-        build_cli(args)
+        try:
+            build_cli(args)
+        except MisconfigurationException as error:
+            # A user's mistake, worded with its fix (the refusals' convention): one line, not a traceback.
+            raise SystemExit(one_line(error)) from None
 
 
 __all__ = ["build_cli", "export_command", "main", "plan", "plan_report"]
