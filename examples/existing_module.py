@@ -7,6 +7,17 @@ Nothing in it knows about lightning-blockwise. The only changes are marked ``# (
 downloads nothing; with a real checkpoint you would call ``from_pretrained`` with a 4-bit
 ``BitsAndBytesConfig`` instead.
 
+Comparing against ``strategy="auto"`` on the CPU with a 4-bit base? Wrap the load, in ``__init__``::
+
+    model = lightning_blockwise.keep_4bit_trainable_on_cpu(
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    ).train()
+
+Without it, bitsandbytes repacks the 4-bit weights in place at the first validation pass (the
+sanity check included) or ``generate``, and the resident run trains another function after it.
+The blockwise strategy guards its own runs. ``.train()``: ``from_pretrained`` returns eval mode,
+and Lightning does not switch it. More in ``docs/exactness.md``.
+
 Run with:  python examples/existing_module.py
 """
 
