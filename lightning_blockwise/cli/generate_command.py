@@ -46,6 +46,8 @@ from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 GENERATE_COMMAND = "generate"
 #: ``--chat-template`` value that sends the prompt as plain text, continued by the model.
 NO_TEMPLATE = "none"
+#: ``--precision`` values: Lightning's, refused on one line by the parser rather than by the Trainer, mid-run.
+PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "bf16-true", "16-true", "64-true", "bf16", "16", "32", "64")
 #: What ends the interactive loop, besides the end of stdin.
 _QUIT = ("/quit", "/exit")
 
@@ -175,6 +177,8 @@ def _checkpoint_arguments(path: Path) -> dict[str, Any]:
 
 
 def _tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    if not Path(path).exists():  # else Hugging Face takes it for a hub repo id ("Repo id must be in the form ...")
+        raise ValueError(f"--tokenizer {path} does not exist. Give the local directory of the model's tokenizer.")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as error:
@@ -265,7 +269,7 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass, 0 to 1 (default: 1, off).")
     parser.add_argument("--top-k", type=int, default=0, help="Sample from the k likeliest tokens (default: 0, off).")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling (default: 0).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling, 0 to 2**64 - 1 (default: 0).")
     parser.add_argument(
         "--batch-size", type=_positive, default=8, help="Prompts generated at once (default: 8)."
     )  # fmt: skip
@@ -311,7 +315,7 @@ def _generate_parser() -> argparse.ArgumentParser:
         " warning (default: refused).",
     )
     parser.add_argument(
-        "--precision", help="The Trainer's precision (default: bf16-mixed on a GPU, as the configs train; 32 on CPU)."
+        "--precision", choices=PRECISIONS, help="The Trainer's precision (default: bf16-mixed on GPU, 32-true on CPU)."
     )
     return parser
 

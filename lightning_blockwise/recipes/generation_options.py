@@ -25,7 +25,7 @@ class Sampling:
             softmax of the logits divided by it.
         top_p: Sample from the smallest set of tokens whose probabilities add up to ``top_p`` (``1``: all).
         top_k: Sample from the ``top_k`` most likely tokens (``0``: all).
-        seed: Seeds torch's generators when the session starts: sampled replies are reproducible.
+        seed: Seeds torch's generators when the session starts: sampled replies are reproducible. 0 to 2**64 - 1.
 
     Raises:
         ValueError: If a value is out of its range (the message names it and the range).
@@ -49,6 +49,9 @@ class Sampling:
             raise ValueError(f"top_p={self.top_p} must be above 0 and at most 1 (1: no nucleus cut), e.g. 0.9.")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be 0 (no cut) or positive, e.g. 50.")
+        if isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
+            # torch's generators take 64 bits; a larger seed failed inside the run ("Overflow when unpacking long").
+            raise ValueError(f"seed={self.seed} must be an integer from 0 to 2**64 - 1 (torch's generators: 64 bits).")
         if self.greedy and (self.top_p != 1 or self.top_k != 0):
             raise ValueError(
                 f"top_p={self.top_p} and top_k={self.top_k} apply to sampling, but temperature=0 is greedy. Give a"

@@ -16,7 +16,7 @@ from lightning_blockwise.cli import DESCRIPTION, main
 from lightning_blockwise.cli.generate_command import generate_command
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
-from lightning_blockwise.recipes.generation import MAX_NEW_TOKENS_LIMIT, Reply
+from lightning_blockwise.recipes.generation import MAX_NEW_TOKENS_LIMIT, Reply, Sampling
 from tests.helpers.chat import save_adapter, save_chat_checkpoint
 
 #: Arguments every run here takes: the CPU, fp32 (the tiny model's shapes), short replies.
@@ -114,6 +114,12 @@ def test_main_dispatches_generate(chat_model: dict[str, Path], capsys: pytest.Ca
         (["--adapter", "NOWHERE"], "holds no adapter_config.json"),
         (["--ckpt", "NOWHERE.ckpt"], "--ckpt NOWHERE.ckpt does not exist"),
         (["--chat-template", "NOFILE"], "is neither 'auto', 'alpaca', a Jinja template"),
+        # Issue 41 item 10: these three gave raw tracebacks (an overflow in torch, the Trainer's ValueError, Hugging
+        # Face's "Repo id must be in the form ...").
+        (["--seed", str(2**70)], f"seed={2**70} must be an integer from 0 to 2**64 - 1"),
+        (["--seed", "-1"], "seed=-1 must be an integer from 0 to 2**64 - 1"),
+        (["--precision", "bogus"], "argument --precision: invalid choice: 'bogus' (choose from 'bf16-mixed',"),
+        (["--tokenizer", "NOWHERE"], "--tokenizer NOWHERE does not exist. Give the local directory"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line_before_the_model_loads(
@@ -154,3 +160,11 @@ def test_help_says_the_speed_and_the_defaults(capsys: pytest.CaptureFixture[str]
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "about 0.75 s at 72B" in text and "(default: 256)" in text and "0: greedy" in text
+
+
+def test_control_the_seed_range_is_torchs() -> None:
+    """The largest seed that `generate --seed` takes seeds torch's generator; one more overflows inside torch."""
+    torch.Generator().manual_seed(2**64 - 1)
+    with pytest.raises(ValueError, match="Overflow"):
+        torch.Generator().manual_seed(2**64)
+    assert Sampling(seed=2**64 - 1).seed == 2**64 - 1
