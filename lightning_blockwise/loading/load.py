@@ -40,7 +40,7 @@ from lightning_blockwise.loading.packing import (
     predict_slabs,
 )
 from lightning_blockwise.loading.policy import resolve_quantization, saved_dtype
-from lightning_blockwise.loading.sharing import share_enabled, share_key
+from lightning_blockwise.loading.sharing import scoped, share_enabled, share_key
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.placement import HostCopy, attach_host_copy
 from lightning_blockwise.residency.shared_arena import ArenaClaim
@@ -59,6 +59,7 @@ def load_blockwise(
     progress: bool = True,
     share: bool = True,
     quantize: bool = True,
+    share_scope: str | None = None,
 ) -> PreTrainedModel:
     """Load a local causal-LM checkpoint as NF4 (or dense), its decoder layers straight into a host arena.
 
@@ -100,6 +101,9 @@ def load_blockwise(
             residency/shared_arena.py). Linux only; elsewhere every process keeps its own copy.
         quantize: Quantize the 4-bit linears to NF4 (default). ``False``: a dense base, every tensor in
             ``compute_dtype`` (about 3.6x the host bytes of NF4); an unquantized checkpoint only.
+        share_scope: With ``share``, share only with the processes that load with the same scope; ``None``: with any
+            (``CausalLMFineTune`` passes its run's :func:`~lightning_blockwise.loading.sharing.run_scope` for
+            ``BlockwiseStrategy(share_host_copy=None)``: the run's ranks share, other jobs do not).
 
     Returns:
         The model, in train mode, with ``is_loaded_in_4bit`` set unless ``quantize=False``.
@@ -130,7 +134,7 @@ def load_blockwise(
     # the caller's default device.
     with torch.device("cpu"):
         return _load_blockwise(
-            Path(path), compute_dtype, device, block_size, quantization_config, progress, share, quantize
+            Path(path), compute_dtype, device, block_size, quantization_config, progress, share, quantize, share_scope
         )
 
 
@@ -143,6 +147,7 @@ def _load_blockwise(
     progress: bool,
     share: bool,
     quantize: bool,
+    share_scope: str | None,
 ) -> PreTrainedModel:
     start = time.perf_counter()
     if block_size < 1:
@@ -161,7 +166,11 @@ def _load_blockwise(
     model, layers, prefixes = build_meta_model(config, bnb_config, compute_dtype)
     ranges = block_ranges(len(layers), block_size)
     # NOTE [ One host copy per machine ]: a peer waits for the owner's copy (the owner: None, it loads one).
-    key = share_key(path, block_size, bnb_config, compute_dtype, pre_quantized) if share_enabled(share) else None
+    key = (
+        scoped(share_key(path, block_size, bnb_config, compute_dtype, pre_quantized), share_scope)
+        if share_enabled(share)
+        else None
+    )
     share_claim, shared = attach_or_own(key, pin=device.type == "cuda")
     # Refused from config.json alone, before any shard is opened; a copy another process holds counts once.
     sizes, predicted = predict_slabs(path, layers, ranges, check_ram=shared is None)

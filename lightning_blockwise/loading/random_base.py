@@ -34,7 +34,7 @@ from lightning_blockwise.loading.packing import (
     predict_slabs,
 )
 from lightning_blockwise.loading.random_draws import draw_in_order, random_linear
-from lightning_blockwise.loading.sharing import share_enabled
+from lightning_blockwise.loading.sharing import scoped, share_enabled
 from lightning_blockwise.residency import arena as arena_module
 from lightning_blockwise.residency.arena import HostArena, slab_offsets
 from lightning_blockwise.residency.placement import HostCopy, attach_host_copy
@@ -77,6 +77,7 @@ def random_blockwise(
     share: bool = True,
     progress: bool = True,
     quantize: bool = True,
+    share_scope: str | None = None,
 ) -> PreTrainedModel:
     """A random-init model of ``config``'s shape, its decoder layers built one at a time straight into a host arena.
 
@@ -105,6 +106,8 @@ def random_blockwise(
             ``load_blockwise(share=True)`` does (NOTE [ One host copy per machine ] in residency/shared_arena.py).
         progress: Show a progress bar over the layers (bytes).
         quantize: NF4 linears (default); ``False``: dense linears holding the same draws, in ``compute_dtype``.
+        share_scope: With ``share``, share only with the processes that build with the same scope (as
+            ``load_blockwise``'s); ``None``: with any.
 
     Returns:
         The model, in train mode.
@@ -130,7 +133,7 @@ def random_blockwise(
         )
     device = _resolve_device(device)
     key = (
-        random_share_key(config, seed, std, compute_dtype, block_size, quantize, device)
+        scoped(random_share_key(config, seed, std, compute_dtype, block_size, quantize, device), share_scope)
         if share_enabled(share)
         else None
     )

@@ -43,4 +43,18 @@ def share_enabled(share: bool) -> bool:
     return share and hasattr(os, "memfd_create")
 
 
-__all__ = ["share_enabled", "share_key"]
+def run_scope() -> str:
+    """What names this run among the processes of the machine: its rendezvous address (``MASTER_ADDR:MASTER_PORT``).
+
+    A copy shared under a key that ends in it is shared by this run's ranks only (``BlockwiseStrategy``'s
+    ``share_host_copy=None``), never with another job that loads the same base.
+    """
+    return f"run/{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+def scoped(key: str, scope: str | None) -> str:
+    """``key`` narrowed to the processes that share with the same ``scope`` (``None``: any process of this user)."""
+    return key if scope is None else f"{key}/{scope}"
+
+
+__all__ = ["run_scope", "scoped", "share_enabled", "share_key"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import Strategy
@@ -19,6 +20,7 @@ from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.compat.bitsandbytes import nf4_config
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.loading.random_base import random_blockwise
+from lightning_blockwise.loading.sharing import run_scope
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
@@ -52,7 +54,7 @@ def load_base(
         if blockwise and loader != "standard":
             assert isinstance(strategy, BlockwiseStrategy)
             # Layer by layer into the host arena, never the whole model on the device; seeded by `seed_everything`
-            # (its seed, so that the ranks of a machine build, and share, one copy).
+            # (its seed, so that the ranks of a machine build one copy, and share it as the strategy says).
             return random_blockwise(
                 config,
                 seed=torch.initial_seed(),
@@ -60,6 +62,7 @@ def load_base(
                 device=device,
                 block_size=strategy.block_size,
                 quantize=quantize,
+                **host_copy_sharing(strategy),
             )
         # What `random_blockwise` does: seeded by `seed_everything`'s seed, the caller's RNG state left as it was.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -68,7 +71,12 @@ def load_base(
     if blockwise and loader != "standard":
         assert isinstance(strategy, BlockwiseStrategy)
         return load_blockwise(
-            checkpoint, compute_dtype=dtype, device=device, block_size=strategy.block_size, quantize=quantize
+            checkpoint,
+            compute_dtype=dtype,
+            device=device,
+            block_size=strategy.block_size,
+            quantize=quantize,
+            **host_copy_sharing(strategy),
         )
     return AutoModelForCausalLM.from_pretrained(
         checkpoint,
@@ -77,6 +85,20 @@ def load_base(
         dtype=dtype,
         local_files_only=True,
     )
+
+
+def host_copy_sharing(strategy: BlockwiseStrategy) -> dict[str, Any]:
+    """``load_blockwise``'s sharing arguments for what ``BlockwiseStrategy(share_host_copy=...)`` asks.
+
+    The loader packs the host copy the strategy then trains from, so the strategy's option decides whether it is
+    shared (NOTE [ One host copy per machine ] in residency/shared_arena.py): ``False``, never (each process its own
+    copy, which a checkpoint carrying the frozen base can be written into); ``True``, with any process of this user
+    that loads the same base; ``None``, with this run's other ranks only, and not at all in a run of one process.
+    """
+    option = strategy.share_host_copy
+    if option is None:
+        return {"share": strategy.is_distributed, "share_scope": run_scope()}
+    return {"share": bool(option), "share_scope": None}
 
 
 def add_adapters(
@@ -166,4 +188,4 @@ def check_attention_tiles(checkpoint: str, tile_tokens: int, datamodule: object 
         )
 
 
-__all__ = ["add_adapters", "check_adapter_dir", "check_attention_tiles", "load_base"]
+__all__ = ["add_adapters", "check_adapter_dir", "check_attention_tiles", "host_copy_sharing", "load_base"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +10,7 @@ from torch import nn
 
 from lightning_blockwise.architectures import DecoderStack
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, restore_cpu_repack
+from lightning_blockwise.loading.sharing import run_scope, scoped
 from lightning_blockwise.residency import embedding
 from lightning_blockwise.residency.layout import BlockLayout
 from lightning_blockwise.residency.placement import move_rest_to_device
@@ -107,7 +107,7 @@ def shared_copy_key(
         fingerprint = base_fingerprint(config, tensors)
         if share_host_copy:
             return fingerprint
-        return f"{fingerprint}/run/{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        return scoped(fingerprint, run_scope())
 
     return key
 

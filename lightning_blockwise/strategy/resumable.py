@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_blockwise.residency.placement import HostCopy
@@ -30,6 +31,7 @@ class ResumableStrategy(DataParallelStrategy):
     _layers: StreamedStack | None
     _block_major: BlockMajorSteps | None
     save_frozen_base: bool
+    share_host_copy: bool | None
 
     @property
     @override
@@ -90,6 +92,7 @@ class ResumableStrategy(DataParallelStrategy):
         read_only = self._host_copy is not None and self._host_copy.arena.read_only
         if self._host_copy is not None and self._checkpoints.base.has_base(checkpoint.get("state_dict", {})):
             # NOTE [ One host copy per machine ] in residency/shared_arena.py.
+            _check_base_write(self._host_copy, self.share_host_copy, self.world_size)
             self._host_copy.prepare_base_write("BlockwiseStrategy")
         self._checkpoints.load(self.lightning_module, checkpoint, strict, self._layers, read_only)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
@@ -104,6 +107,37 @@ class ResumableStrategy(DataParallelStrategy):
         self._checkpoints.resume_loader(fit_loop)
         if self._checkpoints.restore_rng():
             self._checkpoints.restart_epoch(fit_loop)
+
+
+def _check_base_write(copy: HostCopy, share_host_copy: bool | None, world_size: int) -> None:
+    """Refuse a checkpoint's frozen base for a host copy that other processes read, saying why it is shared.
+
+    Writing it would change the weights those processes train on (NOTE [ One host copy per machine ]). A copy
+    that serves no process now is left to ``HostCopy.prepare_base_write``, which stops serving it.
+
+    Raises:
+        MisconfigurationException: Naming this process's part in the sharing, the option that shares, and the fix.
+    """
+    if copy.arena.read_only:
+        part = "maps another process's host copy of the base read-only"
+    else:
+        peers = [] if copy.serving is None else copy.serving.peers()
+        if not peers:
+            return
+        part = f"shares that copy with {len(peers)} other process(es) (pids {peers[:8]})"
+    if share_host_copy is None and world_size > 1:
+        why = f"`BlockwiseStrategy(share_host_copy=None)` (default) shares one copy among this run's {world_size} ranks"
+    elif share_host_copy:
+        why = "`BlockwiseStrategy(share_host_copy=True)` shares it with every process of this user that loads the base"
+    else:
+        why = "the model was loaded shared (`load_blockwise(share=True)`, its default)"
+    raise MisconfigurationException(
+        f"BlockwiseStrategy: this checkpoint carries the frozen base (it was saved with `save_frozen_base=True`), which"
+        f" loading it writes into the host copy, but this process {part}: {why}. Pass"
+        " `BlockwiseStrategy(share_host_copy=False)` (a model you load yourself: `load_blockwise(..., share=False)`)"
+        " so that every process packs a copy of its own, or resume from a checkpoint saved without the base"
+        " (`save_frozen_base=False`) if the run's base is the one on disk."
+    )
 
 
 def _is_local(path: str | Path) -> bool:
