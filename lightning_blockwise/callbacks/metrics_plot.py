@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.compat.lightning_namespaces import FollowsTrainer, follow
 
 #: One point of a curve: the optimizer step it was recorded after, and the metric's value.
@@ -36,7 +37,7 @@ class MetricsPlot(FollowsTrainer, Callback):
 
     Args:
         filename: Name of the PNG, written to ``trainer.log_dir`` (the logger's version directory, or
-            ``default_root_dir`` without a logger).
+            ``default_root_dir`` without a logger); a relative path such as ``"plots/loss.png"`` is created there.
         metrics: The metric names to plot; ``None``: every logged metric whose name ends in ``loss``
             (``train_loss``, ``val_loss``, ...).
         log_scale: Plot the values on a logarithmic axis (useful when the loss falls by orders of magnitude).
@@ -46,7 +47,8 @@ class MetricsPlot(FollowsTrainer, Callback):
         path: Where the PNG was written at the end of the last ``fit``; ``None`` before, or when nothing was logged.
 
     Raises:
-        MisconfigurationException: If ``filename`` does not end in ``.png``, or ``metrics`` is empty.
+        MisconfigurationException: If ``filename`` does not end in ``.png``, ``metrics`` is empty, or ``log_scale`` is
+            not a bool.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class MetricsPlot(FollowsTrainer, Callback):
                 "MetricsPlot(metrics=[]) would plot nothing: name the metrics (e.g. ['train_loss', 'val_loss']), or"
                 " leave it None for every metric whose name ends in `loss`."
             )
+        check_flag("MetricsPlot", "log_scale", log_scale)
         self.filename = filename
         self.metrics = list(metrics) if metrics is not None else None
         self.log_scale = log_scale
@@ -107,8 +110,10 @@ class MetricsPlot(FollowsTrainer, Callback):
         if not self.series:
             rank_zero_info(f"MetricsPlot: no {self._wanted()} was logged; {self.filename} not written.")
             return
-        directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / self.filename
+        # `filename` may name a folder ("plots/loss.png"): matplotlib does not create it, and failing at fit end
+        # would lose the plot of a finished run.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         plot_series(self.series, self.path, log_scale=self.log_scale)
         rank_zero_info(f"MetricsPlot: {', '.join(self.series)} plotted to {self.path}")
 

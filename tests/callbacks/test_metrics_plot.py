@@ -13,6 +13,7 @@ from matplotlib.image import imread
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.callbacks import MetricsPlot
+from lightning_blockwise.callbacks.metrics_plot import plot_series
 from tests.helpers.models import CausalLMModule, LoggingModule, build_model, loader, padded_batches, trainer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -109,3 +110,22 @@ def test_every_rank_reads_the_log_dir_and_rank_zero_alone_plots(tmp_path: Path, 
         assert rank.reads == 1
     assert (tmp_path / "rank0" / "loss.png").is_file() == bool(series)
     assert not (tmp_path / "rank1").exists()
+
+
+def test_a_filename_in_a_folder_creates_the_folder(tmp_path: Path) -> None:
+    """`MetricsPlot(filename="plots/loss.png")` was accepted and then crashed at the end of a finished fit."""
+    plot = MetricsPlot(filename="plots/loss.png")
+    plot.series = {"train_loss": [(1, 2.0), (2, 1.0)]}
+    plot.on_fit_end(_RankTrainer(True, tmp_path / "version_0"), None)  # type: ignore[arg-type]
+    assert plot.path == tmp_path / "version_0" / "plots" / "loss.png"
+    assert plot.path.read_bytes().startswith(PNG_SIGNATURE)
+    # Control: the plot itself creates no folder; without the one created above the write fails.
+    with pytest.raises(FileNotFoundError):
+        plot_series(plot.series, tmp_path / "no-folder" / "loss.png")
+
+
+def test_log_scale_must_be_a_bool() -> None:
+    """NOTE [ A string is not a flag ] in compat/flags.py: `log_scale="no"` drew a log scale."""
+    with pytest.raises(MisconfigurationException, match=r"^`MetricsPlot\(log_scale='no'\)` must be True or False"):
+        MetricsPlot(log_scale="no")  # type: ignore[arg-type]
+    assert MetricsPlot(log_scale=False).log_scale is False  # control: a bool is taken
