@@ -5,6 +5,11 @@ Importing the package registers ``"blockwise"`` in Lightning's strategy registry
 distribution is installed, under ``pytorch_lightning`` too (``lightning_blockwise.pl`` is the package for it).
 """
 
+# First, before anything imports bitsandbytes, whose warnings come at import time (NOTE [ The bitsandbytes "pip
+# install kernels" warning ] in compat/quiet_logs.py).
+from lightning_blockwise.compat import quiet_logs  # noqa: F401
+
+# isort: split
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_blockwise.architectures import VALIDATED_MODEL_TYPES
