@@ -6,19 +6,25 @@ NOTE [ Temporary checkpoint files ] in checkpoint_files.py.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.compat.processes import host_name
 from lightning_blockwise.strategy.checkpoint_files import remove_stale_temporaries, save_unbuffered
+from tests.helpers.models import CausalLMModule, build_model, loader, padded_batches, trainer
 
 # A writer killed halfway through its temporary file, as SIGKILL or the OOM killer would.
 _KILLED_WRITER = """
@@ -134,3 +140,80 @@ def test_control_a_good_checkpoint_file_passes_the_check(tmp_path: Path) -> None
 
     _bad_files(tmp_path)
     check_checkpoint_file(tmp_path / "good.ckpt")
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder on a disk that fills halfway through any checkpoint written into it, on another file system than
+    the system's temporary directory (fsspec, under Lightning's write, stages the file there and moves it).
+
+    Every write of a file into the folder stores half its bytes and raises ``OSError(ENOSPC)``: ``torch.save`` to a
+    path there, and the copy a move across file systems makes (``os.rename`` from outside raises ``EXDEV``).
+    """
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    real_save, real_rename = torch.save, os.rename
+
+    def half_then_full(data: bytes, name: Any) -> None:
+        Path(name).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(name))
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(f, (str, os.PathLike)) or Path(f).parent != folder:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        half_then_full(buffer.getvalue(), f)
+
+    def rename(source: Any, target: Any) -> None:
+        if Path(target).parent == folder and Path(source).parent != folder:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real_rename(source, target)
+
+    def copyfile(source: Any, target: Any, **kwargs: Any) -> Any:
+        half_then_full(Path(source).read_bytes(), target)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    return folder
+
+
+def _lean_fitted(strategy: Any) -> pl.Trainer:
+    module = CausalLMModule(lambda: build_model("llama"), in_configure_model=True)
+    fitted = trainer(strategy, max_steps=1)
+    fitted.fit(module, loader(padded_batches(2)))
+    return fitted
+
+
+def test_a_lean_save_on_a_full_disk_leaves_no_file_under_its_name(full_disk: Path) -> None:
+    """A full disk mid-write: the error names the file, and the name keeps what it held (here: nothing)."""
+    fitted = _lean_fitted(BlockwiseStrategy())
+    assert not fitted.strategy.save_frozen_base
+    with pytest.raises(OSError, match=r"No space left on the device to write the checkpoint .*last\.ckpt") as raised:
+        fitted.save_checkpoint(full_disk / "last.ckpt")
+    assert raised.value.errno == errno.ENOSPC
+    assert list(full_disk.iterdir()) == [], "no truncated file under the final name, no temporary file left"
+
+
+def test_control_lightnings_own_write_leaves_a_truncated_file(full_disk: Path) -> None:
+    """The same module and disk under `strategy="auto"` (Lightning's `TorchCheckpointIO`): the move into place is a
+    copy, and the full disk leaves half a checkpoint under the final name, which the test above would see."""
+    fitted = _lean_fitted("auto")
+    with pytest.raises(OSError):
+        fitted.save_checkpoint(full_disk / "last.ckpt")
+    assert (full_disk / "last.ckpt").stat().st_size > 0 and not zipfile.is_zipfile(full_disk / "last.ckpt")
+
+
+def test_a_checkpoint_is_readable_as_a_plain_file_would_be(tmp_path: Path) -> None:
+    """The temporary file is created with 0o666 less the umask, as Lightning's write does (`mkstemp` gave 0o600)."""
+    umask = os.umask(0o022)
+    try:
+        save_unbuffered({"x": torch.ones(1)}, tmp_path / "a.ckpt")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == 0o644
+    # Control: the mode `mkstemp` gives.
+    handle, name = tempfile.mkstemp(dir=tmp_path)
+    os.close(handle)
+    assert Path(name).stat().st_mode & 0o777 == 0o600

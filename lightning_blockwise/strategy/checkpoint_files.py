@@ -9,8 +9,8 @@ import errno
 import os
 import pickle
 import re
+import secrets
 import shutil
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,8 +105,10 @@ def save_unbuffered(checkpoint: Mapping[str, Any], path: Path) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
+    temporary = str(path.parent / f".{path.name}.{writer_tag()}.{secrets.token_hex(4)}.tmp")
+    # Mode 0o666 less the umask, as a plain `open` (Lightning's write included) gives: `mkstemp`'s 0o600 made every
+    # checkpoint unreadable to the user's group.
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         torch.save(checkpoint, temporary)
         os.replace(temporary, path)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -63,11 +64,15 @@ class ResumableStrategy(DataParallelStrategy):
         if self._block_major is not None:
             self._block_major.checkpoint_loader_state(checkpoint)
         self._checkpoints.record(checkpoint, self.save_frozen_base)
-        if not (self.save_frozen_base and self.is_global_zero and storage_options is None and _is_local(filepath)):
+        own_write = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and _is_local(filepath)
+        if not (self.is_global_zero and own_write):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
+        # Lean and full-state checkpoints alike (a `CheckpointIO` plugin of the user's writes as it wants).
         # Lightning's `TorchCheckpointIO` serializes into an in-memory buffer first, which for a full-state
-        # checkpoint would copy the whole base in host RAM.
+        # checkpoint would copy the whole base in host RAM; and fsspec stages the file in the system's temporary
+        # directory and moves it into place, which across file systems is a copy under the final name: a full disk
+        # left a truncated checkpoint there. Ours is written beside its final name and renamed when complete.
         save_unbuffered(checkpoint, Path(filepath))
 
     @override
