@@ -7,6 +7,7 @@ drift from what pip enforces. ``lightning-blockwise versions`` prints the table.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -112,15 +113,18 @@ def table() -> str:
 
 
 VERSIONS_COMMAND = "versions"
+_DESCRIPTION = "The tested range of each dependency (pyproject.toml) and the version installed here."
 
 
 def versions_command(argv: list[str]) -> None:
     """``lightning-blockwise versions [--check]``: print the table; with ``--check``, exit 1 outside the range."""
-    if argv not in ([], ["--check"]):
-        raise SystemExit(f"usage: lightning-blockwise {VERSIONS_COMMAND} [--check]")
+    # argparse answers `--help` (exit 0) and a wrong argument (usage, exit 2) as the other commands do.
+    parser = argparse.ArgumentParser(prog=f"lightning-blockwise {VERSIONS_COMMAND}", description=_DESCRIPTION)
+    parser.add_argument("--check", action="store_true", help="Exit 1 where an installed version is outside its range.")
+    check = parser.parse_args(argv).check
     print(table())
     outside = untested()
     if outside:
         print(untested_message(outside), file=sys.stderr)
-        if argv:
+        if check:
             raise SystemExit(1)

@@ -70,3 +70,16 @@ def test_control_no_warning_with_the_installed_versions() -> None:
         warnings.simplefilter("always")
         fit(CausalLMModule(lambda: build_model("llama")), BlockwiseStrategy(), max_steps=1)
     assert not [w for w in caught if "outside the versions it was tested" in str(w.message)]
+
+
+def test_versions_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """`lightning-blockwise versions --help` exited 1 with a usage line; now argparse's help, exit 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        versions.versions_command(["--help"])
+    assert exit_info.value.code == 0
+    assert "--check" in capsys.readouterr().out
+    # Control arm: a wrong argument is still refused, with argparse's usage and exit 2.
+    with pytest.raises(SystemExit) as exit_info:
+        versions.versions_command(["--chek"])
+    assert exit_info.value.code == 2
+    assert "usage: lightning-blockwise versions [-h] [--check]" in capsys.readouterr().err
