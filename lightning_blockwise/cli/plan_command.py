@@ -15,6 +15,7 @@ Example::
     lightning-blockwise plan --shape 7b --card 22GiB --host-ram 128GiB --longest --kernels liger \
         --attention-tile-tokens 16384 --mlp-tile-tokens 4096 --loss-chunk-tokens 1024
     lightning-blockwise plan /models/Qwen2.5-72B --seq-len 4096 --devices 2 --gpu-memory 80GB
+    lightning-blockwise plan --shape 72b --seq-len 4096 --devices 8 --nodes 8
     lightning-blockwise plan /models/Qwen2.5-7B --card 24GB --host-ram 128GB --longest
     lightning-blockwise plan --shape 72b --host-ram 256GiB --table
 """
@@ -31,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, modelled_kernels, plan_parser
 from lightning_blockwise.cli.plan_context import longest_report
+from lightning_blockwise.cli.plan_nodes import add_nodes_argument, check_nodes, nodes_fields
 from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
 from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.planning.recommend import (
@@ -55,7 +57,13 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
         SystemExit: With a one-line message starting ``lightning-blockwise plan:`` for a bad argument (checked
             before the config is read), a checkpoint that does not exist, or a plan that cannot work.
     """
-    options = plan_parser().parse_args(sys.argv[2:] if args is None else args)
+    parser = plan_parser()
+    add_nodes_argument(parser)
+    options = parser.parse_args(sys.argv[2:] if args is None else args)
+    try:
+        check_nodes(options.nodes, options.longest or options.table)
+    except MisconfigurationException as error:
+        raise SystemExit(f"lightning-blockwise plan: {error}") from None
     config = _config(options.checkpoint, options.shape)
     if options.longest or options.table:
         return longest_report(config, options)
@@ -83,6 +91,8 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
         )
     except MisconfigurationException as error:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
+    if options.nodes * options.devices > 1:  # one GPU: no all-reduce, and the report as before
+        report.update(nodes_fields(report, options.nodes))
     if options.json:
         print(json.dumps(report, indent=2))
     else:

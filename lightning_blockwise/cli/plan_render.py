@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_blockwise.cli.plan_nodes import nodes_rows
 from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, Recommendation
 from lightning_blockwise.planning.units import format_card, format_gb
 
@@ -85,6 +86,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("base", "NF4 + double quant" if report.get("base", "nf4") == "nf4" else "dense, every tensor unquantized"),
         ("step", f"{report['tokens']} tokens per micro-batch{_window_text(report.get('block_major'))}"),
         ("devices", _devices_text(report)),
+        *nodes_rows(report),
         ("blocks", f"{len(sizes)} of {report['block_size']} layers: {blocks} ({sizes[0]:,} bytes each)"),
         ("layer inputs", _inputs_text(report)),
         ("loss", _loss_text(report["loss_chunk_tokens"], report["tokens"])),

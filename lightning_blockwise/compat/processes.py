@@ -4,6 +4,9 @@ Killed processes leave files behind (a checkpoint's temporary file, an export's 
 temporary model) and peers behind (a shared host copy's readers, a data-parallel run's ranks). Whoever comes next
 tells a dead writer's leftovers from a live one's by the host and process id in their names, and a dead peer from
 a live one by its process id: one naming and one liveness check for all of them.
+
+What is per host (a shared host copy, the rank watchdog, leftovers) is keyed by :func:`host_name`; tests simulate
+several nodes on one machine by giving each "node" its own name (:data:`SIMULATED_HOST_VARIABLE`).
 """
 
 from __future__ import annotations
@@ -13,10 +16,29 @@ import re
 import socket
 from pathlib import Path
 
+#: The environment variable that makes a process take itself for one on another host: its value is the host's name.
+#: For tests only (tests/distributed/test_nodes.py): see NOTE [ Simulated hosts ].
+SIMULATED_HOST_VARIABLE = "LIGHTNING_BLOCKWISE_SIMULATED_HOST"
+
+# NOTE [ Simulated hosts ]
+# Two nodes of a multi-node run differ in everything a host owns: the abstract socket namespace where a shared host
+# copy is found (NOTE [ One host copy per machine ] in residency/shared_arena.py), the process ids a rank watchdog
+# can check (NOTE [ A dead rank ends the run ] in strategy/rank_watchdog.py), the leftovers a process may clean up.
+# CI has one machine: it launches two "nodes" on it, each with its own `LIGHTNING_BLOCKWISE_SIMULATED_HOST`, and
+# everything per host keys on `host_name()`, which returns that name. So each simulated node packs and serves its
+# own copy (two arenas, as two machines would hold), watches only its own ranks and cleans only its own files. On a
+# real cluster the variable is unset and `host_name()` is the machine's name; processes of one machine that set
+# different names (which nothing but a test should do) simply share nothing.
+
 
 def host_name() -> str:
-    """This host's name as a field of a file name: only letters, digits and underscores (dots would end it)."""
-    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+    """This host's name as a field of a file name: only letters, digits and underscores (dots would end it).
+
+    The machine's name, or the simulated host's where :data:`SIMULATED_HOST_VARIABLE` is set (NOTE [ Simulated
+    hosts ]).
+    """
+    name = os.environ.get(SIMULATED_HOST_VARIABLE) or socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9_]", "_", name) or "host"
 
 
 def writer_tag() -> str:
@@ -54,4 +76,4 @@ def process_running(pid: int) -> bool:
         return process_exists(pid)  # no /proc to read: at least whether it exists
 
 
-__all__ = ["host_name", "process_exists", "process_running", "writer_tag"]
+__all__ = ["SIMULATED_HOST_VARIABLE", "host_name", "process_exists", "process_running", "writer_tag"]

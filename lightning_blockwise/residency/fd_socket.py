@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_blockwise.compat.processes import host_name
+
 # The length of the JSON header that precedes it, in every message an owner sends.
 _LENGTH = struct.Struct("!Q")
 
@@ -47,9 +49,11 @@ _SECRET_FILE = "share-secret"
 def socket_address(key: str) -> str:
     """The abstract Unix socket address of ``key`` for this user (a leading NUL: no file behind it).
 
-    See NOTE [ Addresses no other user can take ]: the address hashes :func:`share_secret` with ``key``.
+    See NOTE [ Addresses no other user can take ]: the address hashes :func:`share_secret` with ``key``, and with
+    the host's name (NOTE [ Simulated hosts ] in compat/processes.py: two simulated nodes on one machine are two
+    namespaces, as two machines would be).
     """
-    digest = hashlib.sha256(share_secret() + key.encode()).hexdigest()[:32]
+    digest = hashlib.sha256(share_secret() + f"{host_name()}\n{key}".encode()).hexdigest()[:32]
     return f"\0lightning-blockwise/{os.getuid()}/{digest}"
 
 

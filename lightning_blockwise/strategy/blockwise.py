@@ -271,12 +271,10 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         """Bind the decoder layers' frozen tensors to the host arena and move the rest to the device."""
         assert self._stack is not None and self.plan is not None
         device = self.root_device
-        self._host_copy = placement.host_copy(
-            self._stack,
-            self.plan,
-            pin=device.type == "cuda",
-            share_key=shared_copy_key(self._stack.model.config, self.share_host_copy, self.is_distributed),
-        )
+        share_key = shared_copy_key(self._stack.model.config, self.share_host_copy, self.is_distributed)
+        pack = lambda: placement.host_copy(self._stack, self.plan, device.type == "cuda", share_key)  # noqa: E731
+        # NOTE [ Local rank 0 owns its host's copy ] in data_parallel.py.
+        self._host_copy = self.local_rank_zero_first(pack, ordered=self.share_host_copy is not False)
         owner = self._budget_owner
         offload, offloaded_layers = offload_split(self.offload_activations, len(self._stack.layers))
         for change in self._placement.place(self.lightning_module, self._stack, device, self.vram_budget, owner):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed
 
-from lightning_blockwise.compat.processes import process_running
+from lightning_blockwise.compat.processes import host_name, process_running
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +29,16 @@ log = logging.getLogger(__name__)
 # because of it, and how to resume, then ends this process with exit status 1. It cannot unblock the collective
 # the main thread is waiting in (NCCL offers no safe cancel from another thread), and a process exit is what
 # returns the GPU, the pinned registration and this rank's mappings of the shared host copy to the machine; the
-# copy's memory is freed when its last process is gone. Ranks on other hosts are not watched (their process ids
-# mean nothing here): a dead rank there still ends the run at the process group's timeout.
+# copy's memory is freed when its last process is gone.
+#
+# NOTE [ Per host, and global ]
+# What a host owns is watched per host, keyed by `host_name()` (NOTE [ Simulated hosts ] in compat/processes.py),
+# never by the global rank: each node's watchdog watches that node's ranks, whose process ids it can check. Ranks on
+# other hosts are not watched (their process ids mean nothing here): a dead rank there ends this one when the
+# collective fails, at the process group's timeout (NCCL) or as soon as its connection closes (gloo). What a rank
+# then says (`RankWatchdog.remote_failure`) names the other hosts' ranks and that one of them stopped, since no rank
+# of this host did. What is global stays global: the process group, its store (the `done` keys below, on rank 0's
+# host), DDP's all-reduce and the sampler's shards.
 
 #: Seconds between two checks of the peers.
 INTERVAL = 1.0
@@ -66,10 +73,10 @@ class RankWatchdog:
         self.interval = interval
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
-        here = Peer(self.rank, socket.gethostname(), os.getpid())
+        self.here = Peer(self.rank, host_name(), os.getpid())
         everyone: list[Peer | None] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, here)
-        self.peers = [p for p in everyone if p is not None and p.rank != self.rank and p.host == here.host]
+        torch.distributed.all_gather_object(everyone, self.here)
+        self.peers, self.remote = split_by_host([p for p in everyone if p is not None], self.here)
         self._store = torch.distributed.distributed_c10d._get_default_store()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="blockwise-rank-watchdog", daemon=True)
@@ -105,6 +112,18 @@ class RankWatchdog:
         print(message, file=sys.stderr, flush=True)
         os._exit(1)
 
+    def remote_failure(self, error: BaseException) -> str | None:
+        """What to say when a collective failed and no rank of this host died: a rank of another host stopped.
+
+        ``None`` where there is no other host, or ``error`` is no collective's failure (NOTE [ Per host, and
+        global ]).
+        """
+        if not self.remote or not is_collective_failure(error):
+            return None
+        if any(not process_running(peer.pid) for peer in self.peers):
+            return None  # a rank of this host died: that is the cause, not the other hosts
+        return remote_failure_message(self.here, self.remote, self.timeout, error)
+
     def finish(self, succeeded: bool) -> None:
         """Stop watching; after a normal end, tell the peers (and, on the store's host, wait until they have too).
 
@@ -136,4 +155,35 @@ class RankWatchdog:
             self._thread.join(timeout=self.interval * 5)
 
 
-__all__ = ["RankWatchdog"]
+def split_by_host(everyone: list[Peer], here: Peer) -> tuple[list[Peer], list[Peer]]:
+    """The other ranks of ``here``'s host (watched) and the ranks of other hosts (left to the group's timeout)."""
+    others = [peer for peer in everyone if peer.rank != here.rank]
+    return [p for p in others if p.host == here.host], [p for p in others if p.host != here.host]
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure: a backend error, or gloo's and NCCL's runtime errors."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(word in text for word in ("gloo", "NCCL", "Connection closed"))
+
+
+def remote_failure_message(here: Peer, remote: list[Peer], timeout: timedelta | None, error: BaseException) -> str:
+    """The message of a rank whose collective failed while every rank of its host lived: a remote rank stopped."""
+    hosts: dict[str, list[int]] = {}
+    for peer in remote:
+        hosts.setdefault(peer.host, []).append(peer.rank)
+    where = "; ".join(f"ranks {', '.join(map(str, ranks))} on {host}" for host, ranks in sorted(hosts.items()))
+    waited = f"the process group's timeout ({timeout})" if timeout else "the process group's timeout"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"BlockwiseStrategy: rank {here.rank} (process {here.pid} on {here.host}) stops: a collective failed"
+        f" ({first_line}). No rank of {here.host} died; ranks on other hosts ({where}) are not watched from here, so"
+        f" one of them that died or hung ends this rank at {waited} or when its connection closes. Read the logs of"
+        " the other hosts for the rank that stopped first, fix the cause, then resume from the last checkpoint"
+        " (`trainer.fit(..., ckpt_path=...)` or `--ckpt_path`)."
+    )
+
+
+__all__ = ["Peer", "RankWatchdog", "remote_failure_message", "split_by_host"]
