@@ -81,8 +81,7 @@ def check_export_target(
             )
     if path.exists() and not path.is_dir():
         raise MisconfigurationException(f"{owner}: {path} is a file, not a directory to write the adapter into.")
-    clean_leftovers(path.parent, f".{path.name}", _STAGING)
-    clean_leftovers(path.parent, f".{path.name}", _RETIRED)
+    clean_export_leftovers(path)
     if not _holds_files(path):
         return
     if not overwrite:
@@ -92,6 +91,25 @@ def check_export_target(
         )
     if previous_export(path) is None:
         raise MisconfigurationException(f"{owner}: {_not_an_export(path)} Choose another directory.")
+
+
+# NOTE [ A resume cleans its run's export ]
+# A run killed while it exported leaves its staging directory beside its adapter directory
+# (`version_0/.adapter.<host>-<pid>.<random>.partial`), for the next export there to remove (NOTE [ Cleaning what is
+# ours ] in leftovers.py). But a resumed run without `adapter_dir` exports into its own log directory, and
+# Lightning's logger gives it a new version (`version_1`): nothing would export to `version_0` again, and the
+# leftover, as large as the adapter, stayed forever. So a `CausalLMFineTune` checkpoint records where its run
+# exports, and a resume from it cleans there as well (:func:`clean_export_leftovers`).
+
+
+def clean_export_leftovers(target: str | Path) -> list[Path]:
+    """Remove what killed exports to ``target`` left beside it, and return it.
+
+    Only the staging and retired directories of this user's processes of this host that are gone (NOTE [ Cleaning
+    what is ours ] in leftovers.py).
+    """
+    path = Path(target)
+    return [entry for kind in (_STAGING, _RETIRED) for entry in clean_leftovers(path.parent, f".{path.name}", kind)]
 
 
 def previous_export(path: str | Path) -> str | None:
@@ -221,4 +239,4 @@ def _overlap(target: Path, source: Path) -> str | None:
     return None
 
 
-__all__ = ["check_export_target", "export_adapter", "previous_export", "staged_directory"]
+__all__ = ["check_export_target", "clean_export_leftovers", "export_adapter", "previous_export", "staged_directory"]

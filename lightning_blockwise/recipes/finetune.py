@@ -19,7 +19,7 @@ from peft import PeftModel
 from torch import Tensor
 
 from lightning_blockwise.adapters.dora_norm import factor_dora_norms
-from lightning_blockwise.export.adapter import check_export_target, export_adapter
+from lightning_blockwise.export.adapter import check_export_target, clean_export_leftovers, export_adapter
 from lightning_blockwise.export.training_record import CHECKPOINT_RECORD_KEY, TrainingRecord
 from lightning_blockwise.longcontext.attention import tile_attention
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
@@ -48,6 +48,9 @@ from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
 #: The checkpoint key of the kernels the model computed with (:meth:`CausalLMFineTune.on_load_checkpoint`).
 _KERNELS_KEY = "lightning_blockwise_kernels"
+#: The checkpoint key of where the run exports its adapter (NOTE [ A resume cleans its run's export ] in
+#: export/adapter.py).
+_ADAPTER_DIR_KEY = "lightning_blockwise_adapter_dir"
 
 
 class CausalLMFineTune(pl.LightningModule):
@@ -198,6 +201,7 @@ class CausalLMFineTune(pl.LightningModule):
         # The kernels installed when the model was built (recorded in checkpoints); None until then.
         self._installed_kernels: list[str] | None = None
         self._record: TrainingRecord | None = None  # the base as checkpoints record it; set with the model
+        self._export_target: Path | None = None  # where this fit exports, set at its setup; recorded in checkpoints
         # Whether this fit exported its adapter (NOTE [ A resume with nothing to train ]).
         self._exported = False
 
@@ -282,6 +286,7 @@ class CausalLMFineTune(pl.LightningModule):
         if stage == "fit":
             # On every rank: `log_dir` is a collective (NOTE [ One export, every rank in step ] in rank_zero_export.py).
             hp, target = self.hparams, self._adapter_dir()
+            self._export_target = target.resolve()
             inputs = [hp.checkpoint] if Path(hp.checkpoint).exists() else []
             check_export_target(target, hp.overwrite_adapter, f"CausalLMFineTune(adapter_dir={target})", inputs=inputs)
 
@@ -293,6 +298,8 @@ class CausalLMFineTune(pl.LightningModule):
         with, and the base (recipes/base_record.py), are recorded, so that a resume is checked against them.
         """
         checkpoint[OPTIMIZER_KEY] = self.hparams.optimizer
+        if self._export_target is not None:
+            checkpoint[_ADAPTER_DIR_KEY] = str(self._export_target)
         if self._installed_kernels is not None:
             checkpoint[_KERNELS_KEY] = self._installed_kernels
         if self._record is not None:
@@ -306,7 +313,8 @@ class CausalLMFineTune(pl.LightningModule):
         """Refuse a resume over another base, with other kernels than ``"auto"`` chose, or with another optimizer.
 
         The optimizer is checked when fitting, before Lightning loads its state (NOTE [ An optimizer's state resumes
-        into its own kind only ] in recipes/optimizers.py).
+        into its own kind only ] in recipes/optimizers.py). What a killed export of the checkpoint's run left beside
+        its adapter directory is removed (NOTE [ A resume cleans its run's export ] in export/adapter.py).
 
         Raises:
             MisconfigurationException: Naming what differs and the argument that resumes the run as it was.
@@ -316,6 +324,8 @@ class CausalLMFineTune(pl.LightningModule):
         check_resumed_kernels(checkpoint.get(_KERNELS_KEY), self._installed_kernels, self.hparams.kernels)
         if self.trainer.state.fn == TrainerFn.FITTING:  # only a fit loads the optimizer's state
             check_resumed_optimizer(checkpoint, self.hparams.optimizer)
+        if self.trainer.is_global_zero and checkpoint.get(_ADAPTER_DIR_KEY):
+            clean_export_leftovers(checkpoint[_ADAPTER_DIR_KEY])  # NOTE [ A resume cleans its run's export ]
 
     def on_fit_start(self) -> None:
         """Note that this fit has not exported its adapter yet."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.adapters.dora_norm import FactoredDoraNorm
 from lightning_blockwise.cli import build_cli, main
+from lightning_blockwise.compat.processes import host_name
 from lightning_blockwise.export.adapter import export_adapter
 from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.longcontext.attention import tiled_attention_tokens
@@ -534,3 +537,40 @@ def test_a_resume_where_auto_chooses_other_kernels_is_refused(
         MisconfigurationException, match=r"kernels='auto'\): this run was trained with.*kernels=\['fused_lora'\]"
     ):
         resume("other")
+
+
+def test_a_resume_cleans_what_its_runs_killed_export_left(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """NOTE [ A resume cleans its run's export ]: the resumed run logs (and exports) to `version_1`; the staging
+    directory a killed export left in `version_0` is removed all the same.
+
+    Controls: a live process's staging directory is left, and a checkpoint without the record (older ones) leaves
+    the dead one too, as the issue found.
+    """
+
+    def fit(ckpt_path: Path | None = None) -> pl.Trainer:
+        module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", warmup_steps=1)
+        logger = CSVLogger(tmp_path, name="run")
+        fitter = trainer(BlockwiseStrategy(), max_steps=2, accumulate_grad_batches=1, logger=logger)
+        fitter.fit(module, datamodule=_tokens(), ckpt_path=ckpt_path)
+        return fitter
+
+    first = fit()
+    first.save_checkpoint(tmp_path / "last.ckpt")
+    version_0 = Path(first.log_dir)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = version_0 / f".adapter.{host_name()}-{int(gone.stdout)}.k1ll3d.partial"
+    live = version_0 / f".adapter.{host_name()}-{os.getpid()}.l1v3.partial"
+    for staging in (killed, live):
+        staging.mkdir()
+        (staging / "adapter_model.safetensors").write_bytes(b"half an adapter")
+
+    second = fit(tmp_path / "last.ckpt")
+    assert Path(second.log_dir).name == "version_1" and (Path(second.log_dir) / "adapter").is_dir()
+    assert not killed.exists() and live.exists()
+
+    killed.mkdir()
+    unrecorded = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    del unrecorded["lightning_blockwise_adapter_dir"]
+    torch.save(unrecorded, tmp_path / "unrecorded.ckpt")
+    fit(tmp_path / "unrecorded.ckpt")
+    assert killed.exists()
