@@ -199,6 +199,7 @@ def receive(connection: socket.socket) -> tuple[dict[str, Any], int] | None:
 
     Raises:
         TimeoutError: If the connection's timeout passes first.
+        ValueError: If the header is not JSON (the fd is closed).
     """
     try:
         data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1, socket.MSG_CMSG_CLOEXEC)
@@ -216,7 +217,11 @@ def receive(connection: socket.socket) -> tuple[dict[str, Any], int] | None:
             data += chunk
     except ConnectionError:
         return None
-    return json.loads(data[_LENGTH.size :]), fd
+    try:
+        return json.loads(data[_LENGTH.size :]), fd
+    except ValueError as error:  # not JSON, or not UTF-8: whoever answered is no owner of ours
+        os.close(fd)
+        raise ValueError(f"its header is not JSON ({error})") from None
 
 
 def peer(connection: socket.socket) -> tuple[int, int]:

@@ -52,6 +52,23 @@ def connect_to_owner(
     return connection, None
 
 
+class NotAnOwnerError(Exception):
+    """A process of this user answered on a key's address with something other than a host copy.
+
+    Attributes:
+        pid: That process.
+        why: What was wrong with its message.
+    """
+
+    def __init__(self, pid: int, why: str) -> None:
+        super().__init__(
+            f"process {pid} of this user answers on its address, but {why}: it is no owner this version of"
+            " lightning-blockwise understands (another version, or another program). Loading a copy of this process's"
+            f" own, shared with no one: host RAM must hold a second copy of the base. Stop process {pid} to share."
+        )
+        self.pid, self.why = pid, why
+
+
 def receive_from_owner(
     connection: socket.socket, key: str, deadline: float, timeout: float
 ) -> tuple[dict[str, Any], int] | None:
@@ -59,13 +76,26 @@ def receive_from_owner(
 
     Raises:
         TimeoutError: If the owner has not sent them by ``deadline``.
+        NotAnOwnerError: If what it sent is not an owner's header (another program, or another version of ours).
     """
     owner_pid, _ = peer(connection)
     connection.settimeout(_remaining(key, deadline, timeout, owner_pid))
     try:
-        return receive(connection)
+        received = receive(connection)
     except TimeoutError:
         raise _timeout_error(key, timeout, owner_pid) from None
+    except ValueError as error:
+        raise NotAnOwnerError(owner_pid, str(error)) from None
+    if received is not None and not _is_header(received[0]):
+        os.close(received[1])
+        raise NotAnOwnerError(owner_pid, f"its header {str(received[0])[:80]!r} holds no `sizes` list and `meta`")
+    return received
+
+
+def _is_header(header: Any) -> bool:
+    """Whether ``header`` is what an owner publishes (``ArenaClaim.publish``): the slab sizes and the meta."""
+    sizes = header.get("sizes") if isinstance(header, dict) else None
+    return isinstance(sizes, list) and all(type(size) is int for size in sizes) and "meta" in header
 
 
 def _remaining(key: str, deadline: float, timeout: float, owner_pid: int | None) -> float:
@@ -84,4 +114,4 @@ def _timeout_error(key: str, timeout: float, owner_pid: int | None) -> TimeoutEr
     )
 
 
-__all__ = ["NO_ANSWER", "connect_to_owner", "receive_from_owner"]
+__all__ = ["NO_ANSWER", "NotAnOwnerError", "connect_to_owner", "receive_from_owner"]

@@ -32,7 +32,12 @@ from typing import Any
 from lightning_blockwise.compat.processes import process_exists
 from lightning_blockwise.residency.arena import HostArena, meminfo_bytes
 from lightning_blockwise.residency.fd_socket import encode, listen, serve, socket_address
-from lightning_blockwise.residency.owner_connection import NO_ANSWER, connect_to_owner, receive_from_owner
+from lightning_blockwise.residency.owner_connection import (
+    NO_ANSWER,
+    NotAnOwnerError,
+    connect_to_owner,
+    receive_from_owner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +202,7 @@ class ArenaClaim:
         (``owner`` is now ``True``): build the arena and :meth:`publish` it. Returns ``None`` too, with
         ``owner`` still ``False`` and a warning logged, when no process of this user answers on the address
         within ``reach_timeout`` seconds (NOTE [ Addresses no other user can take ] in fd_socket.py): build an
-        arena of this process's own and share it with no one.
+        arena of this process's own and share it with no one; and when the process that answers sends no host copy.
 
         Args:
             pin: Page-lock the mapping for copies to a CUDA device (``cudaHostRegisterReadOnly``).
@@ -239,7 +244,11 @@ class ArenaClaim:
                 time.sleep(_RETRY_INTERVAL_S)
                 continue
             with connection:
-                received = receive_from_owner(connection, self.key, deadline, timeout)
+                try:
+                    received = receive_from_owner(connection, self.key, deadline, timeout)
+                except NotAnOwnerError as error:  # refused; the copy is loaded here, as without an owner
+                    log.warning(f"shared_arena: the host copy {self.key!r}: {error}")
+                    return None
             # An owner of this user answered: a new owner, if this one is lost, gets the same bound to answer.
             unreachable_after = time.monotonic() + min(timeout, reach_timeout)
             if received is None:

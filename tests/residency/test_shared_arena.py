@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import threading
@@ -508,3 +509,51 @@ def test_an_owner_serves_no_other_user() -> None:
 
         assert _as_nobody(connect_and_receive) is None
         assert connect_and_receive() == {"sizes": [4096], "meta": {}}
+
+
+def _fake_owner(key: str, message: bytes, fd: int) -> socket.socket:
+    """A process of this user on ``key``'s address that serves ``message`` with ``fd``, as an owner serves."""
+    listener = fd_socket.listen(shared_arena.socket_address(key))
+    assert listener is not None
+    threading.Thread(target=fd_socket.serve, args=(listener, fd, message, lambda pid: None), daemon=True).start()
+    return listener
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        (fd_socket._LENGTH.pack(5) + b"{bad}", r"its header is not JSON \(Expecting property name"),
+        (fd_socket.encode({"size": 4096}), r"its header \"{'size': 4096}\" holds no `sizes` list and `meta`"),
+    ],
+    ids=["not JSON", "another header"],
+)
+def test_a_same_user_process_that_sends_no_host_copy_is_refused(
+    message: bytes, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 41 item 10: a bad header gave a raw `JSONDecodeError`; now the claim names the process and loads its own.
+
+    Control: the same fake owner serving a real header and memfd is attached to.
+    """
+    key = _key()
+    arena = HostArena([4096], pin=False)
+    arena.storage.copy_(_pattern(4096, seed=7))
+    listener = _fake_owner(key, message, arena.fd)
+    try:
+        with claim(key) as peer:
+            assert not peer.owner
+            assert peer.attach(pin=False, timeout=WAIT_S) is None and not peer.owner
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    assert re.search(rf"process {os.getpid()} of this user answers on its address, but {why}", caplog.text)
+    assert "Loading a copy of this process's own" in caplog.text
+
+    key = _key()
+    listener = _fake_owner(key, fd_socket.encode({"sizes": [4096], "meta": {"seed": 7}}), arena.fd)
+    try:
+        with claim(key) as peer:
+            attached = peer.attach(pin=False, timeout=WAIT_S)
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    assert attached is not None and attached[1] == {"seed": 7} and torch.equal(attached[0].storage, arena.storage)
