@@ -107,9 +107,9 @@ def build_base_model(
     # named for this process, and the next demo removes it.
     checkpoint = scratch_directory(tempfile.gettempdir(), "lightning-blockwise-demo", ".model")
     try:
-        # Written by hand, not with `save_pretrained`: in a data-parallel run that writes the weights on global rank 0
-        # only, and each rank builds and loads its own copy (every rank draws the same weights from `seed`, and no
-        # rank waits for another; NOTE [ One export, every rank in step ] in recipes/rank_zero_export.py).
+        # Not `save_pretrained`, which writes the weights on global rank 0 only: every rank builds and loads its own
+        # copy of the same weights (`seed`), and no rank waits for another.
+        model.config.architectures = [type(model).__name__]  # as `save_pretrained` writes it: the fingerprint reads it
         model.config.save_pretrained(checkpoint)
         save_model(model, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForCausalLM.from_pretrained(
