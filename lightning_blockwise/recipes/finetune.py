@@ -313,8 +313,8 @@ class CausalLMFineTune(pl.LightningModule):
         """Refuse a resume over another base, with other kernels than ``"auto"`` chose, or with another optimizer.
 
         The optimizer is checked when fitting, before Lightning loads its state (NOTE [ An optimizer's state resumes
-        into its own kind only ] in recipes/optimizers.py). What a killed export of the checkpoint's run left beside
-        its adapter directory is removed (NOTE [ A resume cleans its run's export ] in export/adapter.py).
+        into its own kind only ] in recipes/optimizers.py), and what a killed export of the checkpoint's run left
+        beside its adapter directory is removed (NOTE [ A resume cleans its run's export ] in export/adapter.py).
 
         Raises:
             MisconfigurationException: Naming what differs and the argument that resumes the run as it was.
@@ -322,8 +322,10 @@ class CausalLMFineTune(pl.LightningModule):
         frozen = {name for name, param in self.named_parameters() if not param.requires_grad}
         self._record = base_record.check_resumed_base(checkpoint, self._record, frozen, self.hparams.allow_other_base)
         check_resumed_kernels(checkpoint.get(_KERNELS_KEY), self._installed_kernels, self.hparams.kernels)
-        if self.trainer.state.fn == TrainerFn.FITTING:  # only a fit loads the optimizer's state
-            check_resumed_optimizer(checkpoint, self.hparams.optimizer)
+        # Only a fit loads the optimizer's state and exports (`load_from_checkpoint` has no trainer).
+        if self._trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_resumed_optimizer(checkpoint, self.hparams.optimizer)
         if self.trainer.is_global_zero and checkpoint.get(_ADAPTER_DIR_KEY):
             clean_export_leftovers(checkpoint[_ADAPTER_DIR_KEY])  # NOTE [ A resume cleans its run's export ]
 
