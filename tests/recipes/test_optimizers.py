@@ -152,7 +152,10 @@ def test_8bit_adamw_blockwise_equals_resident(checkpoints: dict[str, Path], tmp_
     # Control: torch's AdamW from the same start trains other adapters (the option is what the runs used), and the
     # comparison above sees it from the second loss on (the first is the untrained model's).
     fp32 = _run(checkpoints["llama"], BlockwiseStrategy(block_size=2), tmp_path / "fp32", optimizer="adamw")
-    assert torch.equal(fp32.losses[0], blockwise.losses[0]) and not torch.equal(fp32.losses[-1], blockwise.losses[-1])
+    # The losses after the first step as a whole: in 4 steps the two optimizers' last losses can round to the same
+    # float32 (seen: 4.565035 both, the third 4.537877 against 4.537876).
+    later = [torch.stack(run.losses[1:]) for run in (fp32, blockwise)]
+    assert torch.equal(fp32.losses[0], blockwise.losses[0]) and not torch.equal(*later)
     assert any(not torch.equal(value, fp32.adapters[name]) for name, value in blockwise.adapters.items())
     assert not _8bit_keys(fp32)
 
