@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from torch import Tensor
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast
+from transformers.integrations.peft import MIN_PEFT_VERSION
 
 import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from tests.helpers.models import VOCAB, padded_batches
@@ -147,10 +148,10 @@ def test_peft_from_pretrained_is_trainable(zoo_base: Path, tmp_path: Path) -> No
     assert_sees_each_field(runs[0])
 
 
-# transformers 5.24's `add_adapter` (and `load_adapter`, `enable_adapters`) check for peft >= 0.22 before doing
-# anything; our bounds are peft >= 0.21, < 0.22 (pyproject.toml), so scripts written that way fail under every
-# strategy, before Lightning starts. The client below is kept so that it runs the day the bounds allow it.
-ADD_ADAPTER_NEEDS = Version("0.22.0")
+# transformers' `add_adapter` (and `load_adapter`, `enable_adapters`) check for its own `MIN_PEFT_VERSION` before doing
+# anything: 5.24 asks for peft >= 0.22, which our bounds (peft < 0.22) exclude, so transformers is bounded below 5.24
+# (pyproject.toml) and such scripts run. Read from transformers, so that the test follows what the stack installed.
+ADD_ADAPTER_NEEDS = Version(MIN_PEFT_VERSION)
 ADD_ADAPTER_REFUSAL = (
     f"The version of PEFT you are using is not compatible, please use a version >= {ADD_ADAPTER_NEEDS}"
 )
