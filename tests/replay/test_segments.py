@@ -261,8 +261,8 @@ def test_kept_graphs_of_streamed_blocks_come_back_to_their_slot(
 
     Two placements: kept layers inside segments of 3, and two neighbouring layers, the last of one segment of 2 and
     the first of the next. (Not every placement needs `homebound`: layers 1 and 6 in segments of 2 come home
-    either way, so the control could not fail there.) Control: without `homebound`, the kept blocks land where the replays leave room and their graphs read
-    whatever their forward slot holds then.
+    either way, so the control could not fail there.) Control: without `homebound`, the kept blocks land where the
+    replays leave room and their graphs read whatever their forward slot holds then.
     """
     # Unmasked rows: a re-plan for masked ones at the first step would put back the plan's kept blocks.
     batches = unmasked(padded_batches(8))
