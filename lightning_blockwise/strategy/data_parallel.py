@@ -235,7 +235,9 @@ class DataParallelStrategy(FollowsTrainer, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # NOTE [ Per host, and global ] in rank_watchdog.py: a failed collective with every rank of this host alive
         # means a rank of another host stopped, which no watchdog here could see; say so before the error.
-        message = None if self._watchdog is None else self._watchdog.remote_failure(exception)
+        # A rank of this host that died is named in the watchdog's words (gloo's own error often comes first).
+        watchdog = self._watchdog
+        message = None if watchdog is None else watchdog.local_failure(exception) or watchdog.remote_failure(exception)
         if message is not None:
             log.error(message)
             print(message, file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two checks of the peers.
 INTERVAL = 1.0
+#: The longest a failed collective waits for a dead rank of this host to show (`RankWatchdog.local_failure`).
+LOCAL_DEATH_WAIT_S = 5.0
 #: Seconds the store's host waits at the end for the other ranks to say they are done, without a group timeout.
 DONE_TIMEOUT = 1800.0
 
@@ -101,16 +104,38 @@ class RankWatchdog:
     def _end(self, peer: Peer) -> None:
         if self._stop.is_set():
             return  # this rank ended its run while the check ran: nothing waits on the peer any more
+        message = self._death_message(peer)
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _death_message(self, peer: Peer) -> str:
         waited = f"the process group's timeout ({self.timeout})" if self.timeout else "the process group's timeout"
-        message = (
+        return (
             f"BlockwiseStrategy: rank {peer.rank} (process {peer.pid} on {peer.host}) died during training, so rank"
             f" {self.rank} (process {os.getpid()}) ends too, instead of waiting in a collective for {waited}. Find"
             f" why rank {peer.rank} stopped (killed, out of memory), then resume the run from its last checkpoint"
             " (`trainer.fit(..., ckpt_path=...)` or `--ckpt_path`)."
         )
-        log.error(message)
-        print(message, file=sys.stderr, flush=True)
-        os._exit(1)
+
+    def local_failure(self, error: BaseException) -> str | None:
+        """The watchdog's own message when a collective failed because a rank of this host died; else ``None``.
+
+        gloo sees a dead peer's closed connection within milliseconds, before the watchdog's next check (every
+        ``interval`` seconds), so the collective's error reaches Lightning first and would be all the user reads.
+        The peers are looked at here for up to two intervals (at most ``LOCAL_DEATH_WAIT_S``): a killed process is
+        not always gone at once.
+        """
+        if not self.peers or not is_collective_failure(error):
+            return None
+        deadline = time.monotonic() + min(2 * self.interval, LOCAL_DEATH_WAIT_S)
+        while True:
+            dead = [peer for peer in self.peers if not process_running(peer.pid) and not self._finished(peer)]
+            if dead:
+                return self._death_message(dead[0])
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(self.interval, 0.05))
 
     def remote_failure(self, error: BaseException) -> str | None:
         """What to say when a collective failed and no rank of this host died: a rank of another host stopped.

@@ -97,6 +97,8 @@ def test_a_dead_rank_ends_the_training_run_and_it_resumes_exactly(checkpoint: Pa
     assert ranks[1].returncode == -9, "rank 1 was SIGKILLed"
     # Ended by the watchdog or, on gloo, by the peer's closed socket, whichever comes first.
     assert seconds is not None and seconds < BOUND and ranks[0].returncode != 0, output[-3000:]
+    # Whichever came first, the survivor's output names the dead rank in the watchdog's words (issue 41.10).
+    assert "rank 1 (process" in output and "died during training" in output, output[-3000:]
     # Both processes are gone, so is every mapping and the pinned registration of the shared host copy.
     assert all(rank.poll() is not None for rank in ranks)
     # The run resumes from its last checkpoint (the first epoch's) and ends as the uninterrupted one.
