@@ -23,9 +23,12 @@ from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 BlockwiseStrategy.register_strategies(StrategyRegistry)
 # This file also runs as `lightning_blockwise.pl`, the package for `pytorch_lightning` (NOTE [ Two Lightning
 # namespaces ] in compat/lightning_namespaces.py): the line above registers each twin in its own registry; the original
-# loads the twin where that distribution is installed, and never imports it otherwise.
+# loads the twin when `pytorch_lightning` is imported (now, or later by the user), and never imports it itself
+# (NOTE [ The twins load when pytorch_lightning does ]).
 if __name__ == lightning_namespaces.PACKAGE:
-    lightning_namespaces.load_twins(BlockwiseStrategy)
+    lightning_namespaces.load_twins_with_pytorch_lightning(BlockwiseStrategy)
+else:
+    lightning_namespaces.pair(BlockwiseStrategy)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -66,6 +66,7 @@ TWINNED = frozenset(
         "callbacks.profiler",
         "callbacks.progress_bar",
         "cli",
+        "cli.data_check",
         "cli.generate_command",
         "cli.progress_bar_flag",
         "demos",
@@ -206,10 +207,58 @@ def pytorch_lightning_installed() -> bool:
     return importlib.util.find_spec(PYTORCH_LIGHTNING) is not None
 
 
+# NOTE [ The twins load when pytorch_lightning does ]
+# Importing `pytorch_lightning` changes a `lightning.pytorch` process: both set the one `lightning_utilities` rank-zero
+# logger to their own, so Lightning's messages would go to `pytorch_lightning...` loggers and a user's settings of
+# `logging.getLogger("lightning.pytorch")` would stop applying. So the twins load only where `pytorch_lightning` is
+# imported already, else right after the user's own `import pytorch_lightning` (`_WhenImported`, a one-shot finder).
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """Runs ``then`` once, right after the top-level module ``name`` is imported (by anyone)."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot, and the real spec is found below without this finder
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def execute_then(module: ModuleType) -> None:
+            execute(module)
+            self.then()
+
+        spec.loader.exec_module = execute_then  # type: ignore[method-assign]  # this spec's own loader object
+        return spec
+
+
+def load_twins_with_pytorch_lightning(strategy: type) -> ModuleType | None:
+    """Load the twins now if ``pytorch_lightning`` is imported already, else right after it is (NOTE above).
+
+    Returns the twin package when it was loaded now, else ``None``.
+    """
+    if sys.modules.get(PYTORCH_LIGHTNING) is not None:
+        return load_twins(strategy)
+    if pytorch_lightning_installed():
+        install()  # `import lightning_blockwise.pl` works before `pytorch_lightning` is imported too
+        if not any(isinstance(finder, _WhenImported) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _WhenImported(PYTORCH_LIGHTNING, lambda: load_twins(strategy)))
+    return None
+
+
 def load_twins(strategy: type) -> ModuleType | None:
     """Load ``lightning_blockwise.pl`` where ``pytorch_lightning`` is installed, and pair the two strategy classes.
 
     The twin package registers its strategy in ``pytorch_lightning``'s registry as it runs.
+
+    The twin package registers its strategy in ``pytorch_lightning``'s registry and pairs it with ``strategy``
+    (:func:`pair`) as it runs; where it is being imported already (``import lightning_blockwise.pl``, which imports
+    ``pytorch_lightning``), the half-made package is returned and finishes by itself.
 
     Args:
         strategy: ``lightning_blockwise.BlockwiseStrategy``.
@@ -221,17 +270,22 @@ def load_twins(strategy: type) -> ModuleType | None:
         return None
     install()
     try:
-        twin_package = importlib.import_module(TWIN_PACKAGE)
+        return importlib.import_module(TWIN_PACKAGE)
     except ImportError as error:  # a broken optional install must not take lightning.pytorch users down with it
         warnings.warn(f"lightning-blockwise: `pytorch_lightning` is installed but not usable ({error})", stacklevel=2)
         return None
-    twin = getattr(twin_package, strategy.__name__)
-    # The connector's `isinstance(strategy, Strategy)` for an instance built from the original class (converted at
-    # its first write), and our own `isinstance(x, BlockwiseStrategy)` checks for the twin. One direction each: a
-    # pair of ABCs that register each other recurses forever on a negative check.
-    lightning_base(twin).register(strategy)
-    strategy.register(twin)  # type: ignore[attr-defined]
-    return twin_package
+
+
+def pair(twin: type) -> None:
+    """Pair the twin strategy class with the original, from the twin package as it finishes loading.
+
+    The connector's `isinstance(strategy, Strategy)` for an instance built from the original class (converted at its
+    first write), and our own `isinstance(x, BlockwiseStrategy)` checks for the twin. One direction each: a pair of
+    ABCs that register each other recurses forever on a negative check.
+    """
+    original = getattr(sys.modules[PACKAGE], twin.__name__)
+    lightning_base(twin).register(original)
+    original.register(twin)
 
 
 def lightning_base(kind: type) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,37 @@ def test_mixing_namespaces_is_refused_before_any_work(callback: Any, fix: str) -
     # Control: the same run with pytorch_lightning's callback trains.
     pl_fit(module, "blockwise", callbacks=[pl.callbacks.Timer()], max_steps=1)
     assert module.losses
+
+
+_FRESH_PROCESS = """
+import sys
+import lightning_blockwise
+from lightning_blockwise.compat import lightning_namespaces
+{then}
+import lightning_utilities.core.rank_zero as rank_zero
+print("imported:", "pytorch_lightning" in sys.modules, "logger:", rank_zero.log.name)
+import pytorch_lightning
+from pytorch_lightning.strategies import StrategyRegistry
+print("registered:", StrategyRegistry["blockwise"]["strategy"].__module__)
+"""
+
+
+@pytest.mark.parametrize(
+    "then",
+    ["", "lightning_namespaces.load_twins(lightning_blockwise.BlockwiseStrategy)"],
+    ids=["lazy", "control-eager"],
+)
+def test_the_twins_wait_for_the_users_import_of_pytorch_lightning(then: str) -> None:
+    """NOTE [ The twins load when pytorch_lightning does ]: `import lightning_blockwise` alone leaves Lightning's
+    rank-zero logger `lightning.pytorch`'s; `import pytorch_lightning` afterwards still registers "blockwise".
+    Control: loading the twins at once (what the import did before) hands the logger to `pytorch_lightning`."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS.format(then=then)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "registered: lightning_blockwise.pl.strategy.blockwise"
+    if then:
+        assert lines[-2] == "imported: True logger: pytorch_lightning.utilities.rank_zero"
+    else:
+        assert lines[-2] == "imported: False logger: lightning.pytorch.utilities.rank_zero"
