@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -508,10 +509,14 @@ def test_control_without_the_check_share_no_shares(saved: dict[str, Path], monke
     """What the check prevents: `share="no"` serves the copy to other processes, as `share=True` does."""
     monkeypatch.setattr(lightning_blockwise.loading.load, "check_flag", lambda *args, **kwargs: None)
     served = {}
+    # A scope of its own: a copy of the same checkpoint that an earlier test's model still owns in this process would
+    # be reused without serving (`owned_here`), whatever `share` says.
+    scope = f"control-{uuid.uuid4().hex}"
     for share in ("no", False):
         model = load_blockwise(
-            saved["llama-bf16"], compute_dtype=torch.float32, device="cpu", progress=False, share=share
-        )
+            saved["llama-bf16"], compute_dtype=torch.float32, device="cpu", progress=False, share=share,
+            share_scope=scope,
+        )  # fmt: skip
         copy = detach_host_copy(model)
         served[share] = copy.serving is not None
         if copy.serving is not None:
