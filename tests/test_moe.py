@@ -117,7 +117,8 @@ def test_router_logits_are_refused_because_training_would_differ(
     monkeypatch.setattr(lightning_blockwise.architectures, "_refuse_router_logits", lambda stack: None)
     # Past the config check (as a per-call `output_router_logits=True` is), the first backward refuses it: the logits
     # are recorded by a hook on the router (NOTE [ Forward hooks inside a rematerialized layer ] in replay/hooks.py).
-    with pytest.raises(MisconfigurationException, match=r"forward hook on `layers\.\d+\.mlp\.gate` received"):
+    refusal = r"forward hook on `layers\.\d+\.mlp\.gate` \(the hook `transformers\.[^`]+`\) received"
+    with pytest.raises(MisconfigurationException, match=refusal):
         fit(CausalLMModule(build), BlockwiseStrategy(block_size=2))
     monkeypatch.setattr(replay_hooks, "_refusing", lambda value, name, anchor: value)
     blockwise = fit(CausalLMModule(build), BlockwiseStrategy(block_size=2))
