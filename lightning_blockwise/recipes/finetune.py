@@ -188,8 +188,10 @@ class CausalLMFineTune(pl.LightningModule):
         check_recipe_options(locals())
         # With `adapter_path` the adapter's own config decides DoRA: checked when the model is built, before the base.
         self._kernels = kernel_choice(kernels, mlp_tile_tokens, use_dora and adapter_path is None)
-        compute_dtype, quantize = base_record.adapter_settings(adapter_path, compute_dtype, quantize)  # saved below
+        compute_dtype, quantize = base_record.adapter_settings(adapter_path, compute_dtype, quantize)
         self.save_hyperparameters()
+        # Resolved, not as given: under LightningCLI `save_hyperparameters` records the config's values (None here).
+        self.hparams.update(compute_dtype=compute_dtype, quantize=quantize)
         # Read by `BlockwiseStrategy`'s planner (the module declares what its step builds).
         self.loss_chunk_tokens = loss_chunk_tokens
         self.mlp_tile_tokens = mlp_tile_tokens

@@ -139,3 +139,17 @@ def test_the_refusal_comes_before_the_base_loads(
         _fit("demo", tmp_path, tmp_path, *overrides)
     assert ("Nothing was loaded" in str(refusal.value)) is checked
     assert configured == ([] if checked else ["configure_model"])
+
+
+@pytest.mark.parametrize("config", ["qwen2.5-7b", "smollm2-135m"])
+def test_a_model_config_that_leaves_quantize_unset_builds_an_nf4_base(
+    config: str, made_up_checkpoint: Path, tmp_path: Path, fit_not_run: list[Trainer]
+) -> None:
+    """The model configs leave `quantize` (and the smollm2 one `adapter_path`) unset: the module resolves it to NF4,
+    and its hyperparameters say so, also under LightningCLI, which hands `save_hyperparameters` the config's values."""
+    cli = _fit(config, made_up_checkpoint, tmp_path)
+    # Control: what the CLI gave the module is None; without the resolution the loader refused it at the first step.
+    assert cli.config.fit.model.init_args.quantize is None
+    assert cli.model.hparams.quantize is True and cli.model.hparams.compute_dtype in ("bfloat16", "float32")
+    cli.model.configure_model()
+    assert any(type(module).__name__ == "Linear4bit" for module in cli.model.modules())
