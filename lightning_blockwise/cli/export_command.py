@@ -21,6 +21,7 @@ from typing import NoReturn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_blockwise.cli.base_flags import add_base_flags
 from lightning_blockwise.export.merge import DEFAULT_MAX_SHARD_SIZE, MERGE_CHOICES, export
 
 #: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
@@ -119,30 +120,7 @@ def _export_parser() -> argparse.ArgumentParser:
         " adapter records, a .ckpt's or an adapter directory's lightning_blockwise.json; else bfloat16, with a"
         " warning). One that differs from the record warns: the merge is then not the model trained.",
     )
-    formats = parser.add_mutually_exclusive_group()
-    formats.add_argument(
-        "--dense-base",
-        dest="quantize",
-        action="store_const",
-        const=False,
-        help="Merge into the dense base (the checkpoint's weights in the compute dtype), as"
-        " `CausalLMFineTune(quantize=False)` trained (default: the format the adapter records, else NF4). One that"
-        " differs from the record warns: the merge is then not the model trained.",
-    )
-    formats.add_argument(
-        "--nf4-base",
-        dest="quantize",
-        action="store_const",
-        const=True,
-        help="Merge into the NF4-quantized base, as `CausalLMFineTune()` trains by default (default: the format the"
-        " adapter records, else NF4).",
-    )
-    parser.add_argument(
-        "--allow-other-base",
-        action="store_true",
-        help="Merge into a BASE whose config or weights differ from the base the adapter records, with a warning"
-        " (default: refused; the export would not be the model trained).",
-    )
+    add_base_flags(parser, "Merge into")
     parser.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,

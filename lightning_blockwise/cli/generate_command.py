@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from typing_extensions import override
 
+from lightning_blockwise.cli.base_flags import add_base_flags
 from lightning_blockwise.recipes.chat import ALPACA, AUTO, chat_format
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.recipes.generation import (
@@ -296,24 +297,7 @@ def _generate_parser() -> argparse.ArgumentParser:
         choices=["bfloat16", "float16", "float32"],
         help="The compute_dtype training used (default: the .ckpt's or the adapter's record, else bfloat16).",
     )
-    formats = parser.add_mutually_exclusive_group()
-    formats.add_argument(
-        "--dense-base",
-        dest="quantize",
-        action="store_const",
-        const=False,
-        help="Load the base dense, as `quantize=False` trained (default: the .ckpt's or the adapter's record, else"
-        " NF4).",
-    )
-    formats.add_argument(
-        "--nf4-base", dest="quantize", action="store_const", const=True, help="Load the base as NF4 (see --dense-base)."
-    )
-    parser.add_argument(
-        "--allow-other-base",
-        action="store_true",
-        help="Go on over a base whose config or weights differ from the one the adapter or .ckpt records, with a"
-        " warning (default: refused).",
-    )
+    add_base_flags(parser, "Load")
     parser.add_argument(
         "--precision", choices=PRECISIONS, help="The Trainer's precision (default: bf16-mixed on GPU, 32-true on CPU)."
     )
