@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.models import CONFIGS, save_checkpoint
