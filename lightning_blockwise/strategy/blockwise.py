@@ -41,6 +41,7 @@ from lightning_blockwise.strategy.options import (
     budget_bytes,
     check_options,
     offload_split,
+    refuse_8bit_linears,
     refuse_compiled,
     refuse_cpu_eval_mode_4bit,
 )
@@ -235,6 +236,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         # Refuse a module that cannot train blockwise before anything moves or optimizers are built.
         refuse_compiled(self.lightning_module)
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
+        refuse_8bit_linears(stack.layers)
         try:
             self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
         except ValueError as error:

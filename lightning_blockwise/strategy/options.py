@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 
+from lightning_blockwise.compat.bitsandbytes import named_8bit_linears
 from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.planning import parse_bytes
 
@@ -198,6 +201,22 @@ def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
         )
 
 
+def refuse_8bit_linears(layers: Sequence[nn.Module]) -> None:
+    """Refuse bitsandbytes 8-bit linears in the decoder ``layers``, at setup, before anything moves.
+
+    NOTE [ 8-bit bases do not stream ] in compat/bitsandbytes/linears.py.
+    """
+    names = [f"layers.{index}.{name}" for index, layer in enumerate(layers) for name, _ in named_8bit_linears(layer)]
+    if names:
+        raise MisconfigurationException(
+            f"BlockwiseStrategy cannot stream a base loaded in 8-bit: {len(names)} bitsandbytes `Linear8bitLt` layers"
+            f" in the decoder layers (e.g. `{names[0]}`) keep their int8 weight and scales where they were loaded,"
+            " out of the host arena's reach. Load the base in 4-bit NF4, which streams:"
+            ' `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`, or train the 8-bit base resident'
+            ' with `strategy="auto"`.'
+        )
+
+
 __all__ = [
     "CARD",
     "budget_bytes",
@@ -209,6 +228,7 @@ __all__ = [
     "check_optional_bool",
     "check_options",
     "offload_split",
+    "refuse_8bit_linears",
     "refuse_compiled",
     "refuse_cpu_eval_mode_4bit",
 ]

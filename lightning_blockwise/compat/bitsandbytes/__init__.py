@@ -8,7 +8,8 @@
   tables left on the compute device (:func:`move_code_tables`), moving a weight to the host
   (:func:`move_to_host`).
 - ``linears``: converting a meta model's linears (:func:`replace_with_4bit_linears`), finding them
-  (:func:`named_4bit_linears`, :func:`is_4bit_weight`), quantizing (:func:`quantize_like`).
+  (:func:`named_4bit_linears`, :func:`is_4bit_weight`; 8-bit ones, which do not stream:
+  :func:`named_8bit_linears`), quantizing (:func:`quantize_like`).
 - ``saved_state``: the state-dict entries ``save_pretrained`` writes next to a 4-bit weight
   (:data:`SAVED_WEIGHT_ENTRIES`), deserializing a saved weight (:func:`deserialize`,
   :func:`saved_quant_type`), and what checkpoints read from them (:func:`saved_nested_offsets`,
@@ -36,6 +37,7 @@ from lightning_blockwise.compat.bitsandbytes.formats import Nf4Format, code_tabl
 from lightning_blockwise.compat.bitsandbytes.linears import (
     is_4bit_weight,
     named_4bit_linears,
+    named_8bit_linears,
     quantize_like,
     replace_with_4bit_linears,
 )
@@ -78,6 +80,7 @@ __all__ = [
     "move_code_tables",
     "move_to_host",
     "named_4bit_linears",
+    "named_8bit_linears",
     "nf4_config",
     "nf4_linear",
     "nf4_tensor_bytes",

@@ -1,11 +1,11 @@
-"""bitsandbytes' 4-bit linears in a model: converting a meta model's linears, finding them, quantizing a weight."""
+"""bitsandbytes' linears in a model: converting a meta model's linears, finding 4-bit and 8-bit ones, quantizing."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import torch
-from bitsandbytes.nn import Linear4bit, Params4bit
+from bitsandbytes.nn import Linear4bit, Linear8bitLt, Params4bit
 from torch import Tensor, nn
 from transformers import BitsAndBytesConfig, PreTrainedModel
 from transformers.integrations import replace_with_bnb_linear
@@ -28,6 +28,26 @@ def replace_with_4bit_linears(model: PreTrainedModel, config: BitsAndBytesConfig
 def named_4bit_linears(module: nn.Module) -> Iterator[tuple[str, Linear4bit]]:
     """``(name, module)`` of every bitsandbytes 4-bit linear in ``module``, as ``named_modules`` gives them."""
     return ((name, sub) for name, sub in module.named_modules() if isinstance(sub, Linear4bit))
+
+
+def named_8bit_linears(module: nn.Module) -> Iterator[tuple[str, Linear8bitLt]]:
+    """``(name, module)`` of every bitsandbytes 8-bit linear (``load_in_8bit=True``) in ``module``.
+
+    NOTE [ 8-bit bases do not stream ]: such a layer cannot be packed into a host arena.
+    """
+    return ((name, sub) for name, sub in module.named_modules() if isinstance(sub, Linear8bitLt))
+
+
+# NOTE [ 8-bit bases do not stream ]
+# A `Linear8bitLt` reads its int8 weight and per-row scales (`SCB`) from a `MatmulLtState` that it fills
+# from the weight on its first forward (`init_8bit_state` moves `weight.CB` and `weight.SCB` onto it), and
+# after every forward it sets `weight.data = state.CB`. So rebinding the parameter to an arena view, as a
+# slab does for every frozen tensor, changes nothing the layer reads: measured on the CPU (bitsandbytes
+# 0.50), a "blockwise" run of an 8-bit base trained bit-identically only because each layer still read its
+# original int8 tensor, held beside the arena's copy (the base twice in host RAM, nothing streamed), and on
+# a GPU the state's tensors would stay in host memory. Streaming it would mean binding the state's CB and
+# SCB (and the weight's, before the first forward) and undoing the forward's rebinding; the strategy
+# refuses these layers instead and names NF4 (which streams) or resident training.
 
 
 def is_4bit_weight(owner: nn.Module, attr: str) -> bool:
