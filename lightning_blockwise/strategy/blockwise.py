@@ -42,6 +42,7 @@ from lightning_blockwise.strategy.options import (
     check_options,
     offload_split,
     refuse_8bit_linears,
+    refuse_accelerate_hooks,
     refuse_compiled,
     refuse_cpu_eval_mode_4bit,
 )
@@ -237,6 +238,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         refuse_compiled(self.lightning_module)
         stack = find_decoder_stack(self.lightning_module, allow_unvalidated=self.allow_unvalidated)
         refuse_8bit_linears(stack.layers)
+        refuse_accelerate_hooks(stack.layers)
         try:
             self.plan = BlockPlan(num_layers=len(stack.layers), block_size=self.block_size)
         except ValueError as error:
@@ -257,15 +259,16 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         if self.root_device.type == "cuda":
             with budget_errors(self._budget_owner):
                 check_cap(self.root_device, self.vram_budget)
-        elif self.vram_budget is not None:
+        super().setup(trainer)  # calls `model_to_device`, which sets up the streamer, then wraps in DDP
+        assert self._layers is not None and self._planner is not None
+        self._layers.install()
+        if self.root_device.type != "cuda" and self.vram_budget is not None:
+            # After the plan: a budget the plan refuses is said once, by the refusal (which says this too).
             rank_zero_warn(
                 f"{self._budget_owner} has no effect on the {self.root_device.type.upper()}: the frozen base already"
                 " lives in host memory, so every block counts as resident and nothing streams or is capped. Drop"
                 " `vram_budget`, or train on a GPU (`accelerator='gpu'`) to have it cap the card's memory."
             )
-        super().setup(trainer)  # calls `model_to_device`, which sets up the streamer, then wraps in DDP
-        assert self._layers is not None and self._planner is not None
-        self._layers.install()
         rank_zero_info(f"BlockwiseStrategy: {self._layers.describe(stack.model_type)}; {self._planner.describe()}.")
 
     @override

@@ -10,6 +10,7 @@ from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from lightning_blockwise.compat.accelerate import accelerate_hooked_modules
 from lightning_blockwise.compat.bitsandbytes import named_8bit_linears
 from lightning_blockwise.compat.flags import check_flag
 from lightning_blockwise.planning import parse_bytes
@@ -201,6 +202,21 @@ def refuse_cpu_eval_mode_4bit(names: list[str]) -> None:
         )
 
 
+def refuse_accelerate_hooks(layers: Sequence[nn.Module]) -> None:
+    """Refuse accelerate hooks in the decoder ``layers``, at setup (NOTE [ accelerate's hooks replace forward ])."""
+    hooked = list(accelerate_hooked_modules(layers))
+    if hooked:
+        name, hook = hooked[0]
+        raise MisconfigurationException(
+            f"BlockwiseStrategy: {len(hooked)} modules in the decoder layers carry an accelerate hook (e.g. `{hook}`"
+            f" on `{name}`, added with `accelerate.hooks.add_hook_to_module`), which replaces the module's `forward`:"
+            " a rematerialized decoder layer runs its modules twice per step and calls its own class's forward, so"
+            " the hook would fire twice, or never. Observe with a torch forward hook"
+            " (`module.register_forward_hook(...)`), which fires once per step as in resident training, remove the"
+            ' hook (`accelerate.hooks.remove_hook_from_module(module)`), or train with `strategy="auto"`.'
+        )
+
+
 def refuse_8bit_linears(layers: Sequence[nn.Module]) -> None:
     """Refuse bitsandbytes 8-bit linears in the decoder ``layers``, at setup, before anything moves.
 
@@ -229,6 +245,7 @@ __all__ = [
     "check_options",
     "offload_split",
     "refuse_8bit_linears",
+    "refuse_accelerate_hooks",
     "refuse_compiled",
     "refuse_cpu_eval_mode_4bit",
 ]
