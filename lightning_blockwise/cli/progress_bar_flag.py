@@ -29,8 +29,10 @@ def drop_progress_bars(trainer_config: Namespace) -> None:
     # Trainer reads as "show the bar" (its default), and the config's bar must then stay.
     if trainer_config.get("enable_progress_bar") is not False or not callbacks:
         return
-    kept = [callback for callback in callbacks if not _is_progress_bar(callback)]
-    if len(kept) < len(callbacks):
+    # One callback given alone (`--trainer.callbacks=pkg.Callback`) parses as that callback, not a list of one.
+    given = callbacks if isinstance(callbacks, list) else [callbacks]
+    kept = [callback for callback in given if not _is_progress_bar(callback)]
+    if len(kept) < len(given):
         rank_zero_info("`--trainer.enable_progress_bar=false`: the config's progress bar callback is left out.")
         trainer_config.callbacks = kept
 

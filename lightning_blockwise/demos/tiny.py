@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,14 +27,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import save_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
 from lightning_blockwise.architectures import LLAMA_STYLE_PROJECTIONS
-from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack, nf4_config
+from lightning_blockwise.demos.base_files import load_base
 from lightning_blockwise.export.adapter import check_export_target, export_adapter
-from lightning_blockwise.export.leftovers import scratch_directory
+from lightning_blockwise.export.training_record import TrainingRecord
+from lightning_blockwise.loading.base_identity import base_identity
 from lightning_blockwise.recipes.rank_zero_export import export_on_rank_zero
 from lightning_blockwise.recipes.schedules import warmup_cosine
 
@@ -58,6 +56,7 @@ def build_base_model(
     quantize: bool = True,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    base_dir: str | Path | None = None,
 ) -> PreTrainedModel:
     """Build the demo's frozen base: a random-init Qwen2 causal LM, optionally loaded back in NF4.
 
@@ -78,6 +77,9 @@ def build_base_model(
         quantize: Load the base as bitsandbytes NF4 with double quantization.
         seed: Seed of the random initialization.
         device: Where ``from_pretrained`` places the quantized weights.
+        base_dir: Keep the base there as a checkpoint directory (config, safetensors, the byte-level tokenizer),
+            for ``generate``, ``export`` and later runs, reusing it if it holds the same base; ``None``: a
+            temporary directory, removed once loaded.
 
     Returns:
         The base model in fp32 (its linear weights NF4 if ``quantize``), in eval mode as
@@ -99,34 +101,7 @@ def build_base_model(
     )
     with _seeded(seed, device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if not quantize:
-        return model.to(device).eval()
-    # Quantize the way users load a real checkpoint: from disk, through `quantization_config`.
-    quantization = nf4_config(torch.float32)
-    # NOTE [ Cleaning what is ours ] in export/leftovers.py: a kill mid-load leaves the checkpoint behind,
-    # named for this process, and the next demo removes it.
-    checkpoint = scratch_directory(tempfile.gettempdir(), "lightning-blockwise-demo", ".model")
-    try:
-        # Not `save_pretrained`, which writes the weights on global rank 0 only: every rank builds and loads its own
-        # copy of the same weights (`seed`), and no rank waits for another.
-        model.config.architectures = [type(model).__name__]  # as `save_pretrained` writes it: the fingerprint reads it
-        model.config.save_pretrained(checkpoint)
-        save_model(model, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-        model = AutoModelForCausalLM.from_pretrained(
-            checkpoint,
-            quantization_config=quantization,
-            device_map={"": torch.device(device)},
-            dtype=torch.float32,
-            local_files_only=True,
-        )
-    finally:
-        shutil.rmtree(checkpoint, ignore_errors=True)
-    # The checkpoint is gone once loaded; an adapter saved later must not name it as its base.
-    model.name_or_path = model.config.name_or_path = ""
-    # NOTE [ bitsandbytes CPU inference kernel ] in compat/bitsandbytes/cpu_kernel.py: validation's eval-mode, no-grad
-    # forwards must not repack the weights.
-    disable_cpu_repack(model)
-    return model
+    return load_base(model, quantize, device, base_dir)
 
 
 @contextmanager
@@ -166,6 +141,9 @@ class DemoCausalLM(pl.LightningModule):
             adapters from instead of initializing them, e.g. to ``validate`` or ``test`` a
             trained adapter; the LoRA arguments above are then ignored. Needs the same
             base arguments and ``seed`` as the run that saved it.
+        base_dir: Where the base is kept as a checkpoint directory, for ``lightning-blockwise generate`` and
+            ``export`` and for later runs (reused where it holds the same base, refused where another);
+            ``None``: ``<default_root_dir>/base`` under a Trainer, a temporary directory without one.
 
     Example::
 
@@ -192,6 +170,7 @@ class DemoCausalLM(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         seed: int = 0,
         adapter_path: str | None = None,
+        base_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -200,6 +179,7 @@ class DemoCausalLM(pl.LightningModule):
         # Whether this fit saved its adapter (NOTE [ A resume with nothing to train ] in recipes/finetune.py).
         self._exported = False
         self._last_train_loss: float | None = None
+        self._record = TrainingRecord(torch.float32)
 
     def configure_model(self) -> None:
         """Build the base on the Trainer's device and wrap it with LoRA adapters (once)."""
@@ -209,7 +189,13 @@ class DemoCausalLM(pl.LightningModule):
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         # The base's arguments are those of `build_base_model`, under the same names; the device is the Trainer's.
         base_args = {name: hp[name] for name in inspect.signature(build_base_model).parameters if name != "device"}
+        if hp.base_dir is None and self._trainer is not None:
+            base_args["base_dir"] = Path(self.trainer.default_root_dir) / "base"
         base = build_base_model(**base_args, device=device)
+        # What the adapter records (NOTE [ The training record of an adapter ] in export/training_record.py): `export`
+        # and `generate` load a kept base as trained here, in fp32 (`build_base_model`'s `nf4_config(torch.float32)`).
+        kept = base_args["base_dir"]
+        self._record = TrainingRecord(torch.float32, hp.quantize, None if kept is None else base_identity(kept))
         if hp.adapter_path is not None:
             # The saved adapter's own config decides its rank and targets.
             self.model = PeftModel.from_pretrained(base, hp.adapter_path, is_trainable=True, local_files_only=True)
@@ -310,10 +296,9 @@ class DemoCausalLM(pl.LightningModule):
         """Save the adapter to ``<log_dir>/adapter`` and say where, with the first and last train loss."""
         self._exported = True
         # Every rank reads the directory (a collective) and waits for rank 0's export (NOTE [ One export, every rank in
-        # step ] in recipes/rank_zero_export.py). The demo's base computes in fp32 (`build_base_model`'s
-        # `nf4_config(torch.float32)`); recorded for `export`.
+        # step ] in recipes/rank_zero_export.py).
         target = self._adapter_dir()
-        write = lambda: export_adapter(self.model, target, compute_dtype=torch.float32)  # noqa: E731
+        write = lambda: export_adapter(self.model, target, record=self._record)  # noqa: E731
         adapter_dir = export_on_rank_zero(self.trainer.strategy, write, "DemoCausalLM")
         summary = f"DemoCausalLM: adapter saved to {adapter_dir}"
         if self._first_train_loss is not None:
