@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.longcontext import loss as loss_module
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from tests.helpers.models import CausalLMModule, assert_equal_runs, build_model, fit, padded_batches, runs_differ
 
@@ -104,6 +109,91 @@ def test_a_model_that_scales_its_logits_is_refused() -> None:
         chunked_causal_lm_loss(build_model("llama", logit_scale=2.0), **_batch())
     # Control: a scale of 1 changes nothing and is accepted.
     assert chunked_causal_lm_loss(build_model("llama", logit_scale=1.0), **_batch()).num_tokens > 0
+
+
+def _sliced_loss(model: nn.Module, batch: dict[str, Tensor], chunk_tokens: int) -> Tensor:
+    """The chunked loss as it was before NOTE [ One gradient write per chunk ]: the chunks sliced from the rows."""
+    decoder, head, _ = loss_module.causal_lm_parts(model)
+    hidden = decoder(input_ids=None, attention_mask=batch["attention_mask"], inputs_embeds=batch["inputs_embeds"])
+    targets = F.pad(batch["labels"], (0, 1), value=-100)[..., 1:].reshape(-1)
+    rows = targets.ne(-100).nonzero().squeeze(1)
+    hidden = hidden.last_hidden_state.reshape(-1, hidden.last_hidden_state.shape[-1]).index_select(0, rows)
+    targets = targets.index_select(0, rows)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, rows.numel(), chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        total = total + checkpoint(
+            loss_module._chunk_loss, head, hidden[part], targets[part], None, use_reentrant=False
+        )
+    return total / rows.numel()
+
+
+def _embedded_batch(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """:func:`_batch` with its embeddings as a leaf that requires grad, so that the input gradient can be compared."""
+    batch = _batch()
+    embeds = model.get_input_embeddings()(batch.pop("input_ids")).detach().to(dtype).requires_grad_()
+    return {**batch, "inputs_embeds": embeds}
+
+
+def _loss_and_grads(model: nn.Module, batch: dict[str, Tensor], loss: Tensor) -> list[Tensor]:
+    """The loss, the input gradient and every adapter gradient."""
+    grads = _lora_grads(model, loss)
+    return [loss.detach(), batch["inputs_embeds"].grad, *grads.values()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 10000])
+def test_split_chunks_give_the_sliced_chunks_bits(chunk_tokens: int, dtype: torch.dtype) -> None:
+    """NOTE [ One gradient write per chunk ]: the loss, input and adapter gradients of slicing, bit for bit."""
+    model = _model("llama").to(dtype)
+    batch = _embedded_batch(model, dtype)
+    split = _loss_and_grads(
+        model, batch, chunked_causal_lm_loss(model, input_ids=None, **batch, chunk_tokens=chunk_tokens).loss
+    )
+    batch["inputs_embeds"].grad = None
+    sliced = _loss_and_grads(model, batch, _sliced_loss(model, batch, chunk_tokens))
+    assert len(split) == len(sliced) > 2
+    assert all(torch.equal(a, b) for a, b in zip(split, sliced, strict=True))
+    # Control: one input element one ulp up (a last-bit difference, as a changed summation order makes) is seen.
+    embeds = batch["inputs_embeds"].detach().clone()
+    embeds[0, 0, 0] = torch.nextafter(embeds[0, 0, 0], torch.tensor(float("inf"), dtype=dtype))
+    nudged = {**batch, "inputs_embeds": embeds.requires_grad_()}
+    other = _loss_and_grads(model, nudged, _sliced_loss(model, nudged, chunk_tokens))
+    assert not all(torch.equal(a, b) for a, b in zip(split, other, strict=True))
+
+
+class _WritesOfTheRows(TorchDispatchMode):
+    """Counts the ops that produce a tensor of the labelled hidden states' shape, by op."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = shape
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, Tensor) and tuple(out.shape) == self.shape and func._schema.returns[0].alias_info is None:
+            self.ops[func.__name__] += 1
+        return out
+
+
+def test_the_backward_writes_the_rows_gradient_once() -> None:
+    """Split chunks' backward makes one tensor of the rows' size (a concatenation), where slices made one per chunk."""
+    model = _model("llama")
+    batch = _embedded_batch(model, torch.float32)
+    rows = int((batch["labels"][:, 1:] != -100).sum())
+    shape = (rows, batch["inputs_embeds"].shape[-1])
+    split, sliced = _WritesOfTheRows(shape), _WritesOfTheRows(shape)
+    loss = chunked_causal_lm_loss(model, input_ids=None, **batch, chunk_tokens=5).loss
+    with split:
+        loss.backward()
+    loss = _sliced_loss(model, batch, 5)
+    with sliced:
+        loss.backward()
+    assert split.ops == {"cat.default": 1}
+    # Control: the sliced chunks' backward, one zero-filled gradient of the rows' size per chunk, and their sums.
+    chunks = -(-rows // 5)
+    assert chunks > 2 and sliced.ops == {"slice_backward.default": chunks, "add.Tensor": chunks - 1}
 
 
 class _ChunkedLossModule(CausalLMModule):

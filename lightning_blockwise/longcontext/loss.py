@@ -25,6 +25,15 @@ from torch.utils.checkpoint import checkpoint
 # trains with it under ``strategy="auto"`` as under ``"blockwise"``, and the exactness
 # contract (blockwise == resident, bit for bit) holds for that module. The measured
 # deviation from Hugging Face's loss is in docs/long-context.md.
+#
+# NOTE [ One gradient write per chunk ]
+# The chunks are ``split`` from the labelled hidden states, not sliced: a slice's backward writes its
+# chunk's gradient into a new zero-filled tensor of the whole hidden states' size, and autograd sums
+# those, so n chunks cost n full-size allocations, fills and additions (at 16k tokens, a 7B shape's
+# chunks of 1024: 16 of 117 MB each). ``split``'s backward concatenates the chunks' gradients once.
+# The values are the same: each element of the sum was its own chunk's gradient plus zeros, which
+# is that gradient exactly (but for a zero's sign, which the backward of the rows' gather, an
+# addition into zeros, erases in both; tests/test_loss.py compares both with ``torch.equal``).
 
 #: Label of a position that is not learned (Hugging Face's and torch's ``ignore_index``).
 IGNORE_INDEX = -100
@@ -129,9 +138,10 @@ def chunked_causal_lm_loss(
     targets = targets.index_select(0, rows)
     softcap = getattr(config, "final_logit_softcapping", None)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, rows.numel(), chunk_tokens):
-        part = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_chunk_loss, head, hidden[part], targets[part], softcap, use_reentrant=False)
+    # Split, not sliced: NOTE [ One gradient write per chunk ]. (No rows would split into one empty chunk.)
+    chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True) if rows.numel() else ()
+    for part, part_targets in chunks:
+        total = total + checkpoint(_chunk_loss, head, part, part_targets, softcap, use_reentrant=False)
     if rows.numel() == 0:
         # No labelled token: a zero loss that still reaches the parameters (Hugging Face's mean would be nan).
         total = total + hidden.sum() * 0
