@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_blockwise.planning.step_shape import StepShape
-from lightning_blockwise.planning.units import format_gib
+from lightning_blockwise.planning.units import format_gib, format_mib
 
 #: The cap a budget sets on the caching allocator over the predicted allocated peak
 #: (NOTE [ A budget is a cap on the card ]).
@@ -147,7 +147,7 @@ def plan_residency(
     if budget < minimum:
         raise ValueError(
             f"the budget of {format_gib(budget)} is below the {format_gib(minimum)} this run needs with every block"
-            f" streamed ({len(block_bytes)} blocks, {slots} slots of {slot_bytes / 2**20:.0f} MiB; a predicted peak"
+            f" streamed ({len(block_bytes)} blocks, {slots} slots of {format_mib(slot_bytes)}; a predicted peak"
             f" of {format_gib(streamed_peak)} allocated, and {ALLOCATOR_HEADROOM_PERCENT}% +"
             f" {ALLOCATOR_SLACK // 2**20} MiB for the allocator). Raise the budget to at least {format_gib(minimum)},"
             " or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."

@@ -64,9 +64,10 @@ def format_gb(nbytes: int | float, *, digits: int = 2) -> str:
 
     Args:
         nbytes: The size in bytes.
-        digits: Decimal places; the parity report prints three (``"0.012 GB"``).
+        digits: Decimal places; the parity report prints three (``"0.012 GB"``). A size that rounds to zero in GB
+            is written in MB or kB (NOTE [ No size printed as zero ]).
     """
-    return f"{nbytes / 1e9:.{digits}f} GB"
+    return _scaled(nbytes, _DECIMAL, digits)
 
 
 def format_card(nbytes: int) -> str:
@@ -75,8 +76,33 @@ def format_card(nbytes: int) -> str:
 
 
 def format_gib(nbytes: int | float) -> str:
-    """``nbytes`` in binary gibibytes, as budgets are given: ``"16.00 GiB"``."""
-    return f"{nbytes / 2**30:.2f} GiB"
+    """``nbytes`` in binary gibibytes, as budgets are given: ``"16.00 GiB"`` (NOTE [ No size printed as zero ])."""
+    return _scaled(nbytes, _BINARY, 2)
 
 
-__all__ = ["card_bytes", "format_card", "format_gb", "format_gib", "parse_bytes"]
+def format_mib(nbytes: int | float) -> str:
+    """``nbytes`` in whole binary mebibytes, as slots are sized: ``"270 MiB"`` (NOTE [ No size printed as zero ])."""
+    return _scaled(nbytes, _BINARY[1:], 0)
+
+
+# NOTE [ No size printed as zero ]
+# A tiny model's host arena (the demo's: 50 kB) printed as "0.000 GB" and its slots as "0 MiB": a size that is not
+# zero must not read as one. Where a size rounds to zero in the unit a report uses, it is written in the largest
+# smaller unit where it does not (kB/KiB, then bytes), with as many decimals; sizes that do not round to zero, and
+# zero itself, read as before.
+_DECIMAL = (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+_BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def _scaled(nbytes: int | float, units: tuple[tuple[str, int], ...], digits: int) -> str:
+    """``nbytes`` in the first of ``units`` (largest first) where it does not round to zero, else in bytes."""
+    if nbytes == 0:
+        return f"{0:.{digits}f} {units[0][0]}"
+    for name, size in units:
+        text = f"{nbytes / size:.{digits}f}"
+        if float(text) != 0:
+            return f"{text} {name}"
+    return f"{nbytes:.0f} B"
+
+
+__all__ = ["card_bytes", "format_card", "format_gb", "format_gib", "format_mib", "parse_bytes"]

@@ -50,7 +50,7 @@ from lightning_blockwise.strategy.queries import BlockwiseQueries
 from lightning_blockwise.strategy.resumable import ResumableStrategy
 from lightning_blockwise.strategy.step_budget import StepBudget
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
-from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, declared_tokens
+from lightning_blockwise.strategy.step_tokens import first_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 # Lightning's own logger, which it shows at INFO on every rank (rank_zero_info shows rank 0 only).
@@ -93,10 +93,12 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             the budget with the step's predicted peak and 10% headroom stay on the device for the whole run (less
             traffic, faster steps). ``None``: no budget, every block streams and every layer is recomputed (the
             least device memory). On the CPU a set budget has no effect (the base is in host memory already);
-            setup warns.
+            setup warns where the plan takes it (a budget the plan refuses is said once, by the refusal).
         budget_tokens: Tokens per micro-batch (batch size x sequence length) to plan for at setup. Default: the data
-            module's ``max_length`` x ``batch_size`` where it declares both, else 2048. Either way a longer batch is
-            planned for before its step runs (NOTE [ A budget that sees the batches ] in step_budget.py).
+            module's ``max_length`` x ``batch_size`` where it declares both, else the first training batch's, read
+            ahead (NOTE [ The first batch read ahead ] in step_tokens.py), else 2048; a refusal at setup says which.
+            Either way a longer batch is planned for before its step runs (NOTE [ A budget that sees the batches ] in
+            step_budget.py).
         offload_activations: Keep each layer's saved input in pinned host memory between forward and
             backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None``: the plan decides; with a
             budget and ``input_checkpoint_every`` unset too, it chooses how many layers' inputs wait in host memory
@@ -309,8 +311,10 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             host_ranks=self.num_processes,
         )
         self._planner = StepPlanner(budget, self._budget_owner, device, self.host_group)
-        tokens = self.budget_tokens or declared_tokens(self.lightning_module.trainer.datamodule) or DEFAULT_TOKENS
-        plan = self._planner.first_plan(tokens)
+        trainer = self.lightning_module.trainer
+        # NOTE [ The first batch read ahead ] in step_tokens.py.
+        tokens = first_tokens(self.budget_tokens, trainer, fitting=trainer.state.fn == TrainerFn.FITTING)
+        plan = self._planner.first_plan(tokens.count, tokens.source)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
         self._checkpoints.base = FrozenBase(
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs
@@ -352,7 +356,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             # NOTE [ A budget that sees the batches ] in step_budget.py.
             replanned = self._planner.before_step(args[0] if args else kwargs.get("batch"))
             if replanned is not None:
-                rank_zero_info(f"BlockwiseStrategy: {replanned}.")
+                self._planner.announce(replanned)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -369,13 +373,20 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             # NOTE [ A budget that sees the batches ] in step_budget.py.
             replanned = self._planner.see_batch(batch)
             if replanned is not None:
-                rank_zero_info(f"BlockwiseStrategy: {replanned}.")
+                self._planner.announce(replanned)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._block_major is not None:
             closure = self._block_major.closure_then_window(closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        if self._planner is not None:
+            # NOTE [ Re-plans in the log ] in step_planner.py.
+            self._planner.announce_largest()
+        super().on_train_end()
 
     @override
     def teardown(self) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.liger import liger_kernels_in
-from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gib, plan_residency
+from lightning_blockwise.planning import ResidencyPlan, StepShape, format_gb, format_gib, plan_residency
 from lightning_blockwise.planning.input_levels import InputLevels, card_inputs, fewest_on_card, input_levels
 from lightning_blockwise.planning.longest import GRANULARITY, longest_fit
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK, BLAS_THREADS
@@ -21,11 +21,12 @@ from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 # NOTE [ A budget that sees the batches ]
 # Activation memory grows with the tokens of a micro-batch, so a plan made for fewer tokens
 # than a batch holds can overflow the card. The first plan is made for a declared maximum
-# (the strategy's ``budget_tokens``, else the data module's ``max_length`` x ``batch_size``,
-# else ``DEFAULT_TOKENS`` in step_tokens.py); before a training step whose batch holds more tokens than the
-# plan, the strategy plans again for that batch (fewer resident blocks, the layer inputs
-# offloaded) or stops with a clear error, before the step allocates anything. Plans only
-# grow: a shorter batch keeps the plan made for the longest one so far.
+# (the strategy's ``budget_tokens``, else the data module's ``max_length`` x ``batch_size``), else
+# for the first training batch (NOTE [ The first batch read ahead ] in step_tokens.py), else for
+# ``DEFAULT_TOKENS``; before a training step whose batch holds more tokens than the plan, the
+# strategy plans again for that batch (fewer resident blocks, the layer inputs offloaded) or stops
+# with a clear error, before the step allocates anything. Plans only grow: a shorter batch keeps the
+# plan made for the longest one so far.
 
 # NOTE [ Where layer inputs wait ]
 # A step's saved layer inputs (layers x tokens x hidden x 2 B) can wait on the card, in host memory
@@ -486,8 +487,8 @@ class StepBudget:
             kept_text += f"block-major accumulation over {self.window} micro-batches (nothing kept or offloaded), "
         resident = f"{len(plan.residency.resident)} of {len(self.block_bytes)} blocks resident, "
         return (
-            f"{resident}{kept_text}predicted training-step peak {plan.residency.predicted_peak / 1e9:.2f} GB allocated"
-            f" ({plan.residency.predicted_reserved / 1e9:.2f} GB with the allocator's headroom) at {plan.tokens}"
+            f"{resident}{kept_text}predicted training-step peak {format_gb(plan.residency.predicted_peak)} allocated"
+            f" ({format_gb(plan.residency.predicted_reserved)} with the allocator's headroom) at {plan.tokens}"
             f" tokens per micro-batch{offload}"
         )
 

@@ -11,7 +11,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 
+from lightning_blockwise.compat.quiet_logs import VERBOSE_ENV, is_verbose
 from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, host_room
 from lightning_blockwise.strategy.step_tokens import batch_tokens, masked_row
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
@@ -74,14 +76,27 @@ class StepPlanner:
         self._paused = 0
         #: The last training batch moved to the device, and its masked row read on the host (:meth:`note_host_batch`).
         self._noted: tuple[Any, int | None] | None = None
+        #: Re-plans logged so far, and the last one where it was not shown (NOTE [ Re-plans in the log ]).
+        self._replans = 0
+        self._unsaid: str | None = None
 
-    def first_plan(self, tokens: int) -> StepPlan:
+    def first_plan(self, tokens: int, source: str = "") -> StepPlan:
         """The plan for micro-batches of up to ``tokens`` tokens, made the run's.
+
+        Args:
+            tokens: Tokens per micro-batch.
+            source: Where the count came from and how to plan for another
+                (:attr:`~.step_tokens.PlannedTokens.source`), said in a refusal.
 
         Raises:
             MisconfigurationException: If the step does not fit the budget even with every block streamed.
         """
-        self.plan = self._plan_for(tokens)
+        # Every rank plans for the same count (NOTE [ Where layer inputs wait ] in step_budget.py): a first batch read
+        # ahead is each rank's own.
+        agreed_tokens = agreed(tokens, "max", self.device, self.group)
+        if agreed_tokens != tokens:
+            source = f"{source} The most of any rank's: {agreed_tokens}.".strip()
+        self.plan = self._plan_for(agreed_tokens, source)
         return self.plan
 
     def attach(self, layers: StreamedStack) -> None:
@@ -133,6 +148,33 @@ class StepPlanner:
         self._adopt(self._plan_for(max(tokens, self.plan.tokens)))
         return f"{why}: {self.describe()}"
 
+    # NOTE [ Re-plans in the log ]
+    # Plans grow with the batches (NOTE [ A budget that sees the batches ]), and data padded to each batch's longest
+    # row makes a new longest masked row every few steps at first: the demo printed a plan line per re-plan through
+    # the progress bar. The first re-plan is shown (the plan the run trains with from its first step), the later ones
+    # go to the DEBUG log, and at the end of training the largest (the last: plans only grow) is shown once, with the
+    # count. `LIGHTNING_BLOCKWISE_VERBOSE=1` shows each as it happens.
+    def announce(self, line: str) -> None:
+        """Log the re-plan ``line`` (:meth:`see_batch`'s) as NOTE [ Re-plans in the log ] says."""
+        self._replans += 1
+        message = f"BlockwiseStrategy: {line}."
+        if self._replans == 1 or is_verbose():
+            rank_zero_info(message)
+            self._unsaid = None
+        else:
+            rank_zero_debug(message)
+            self._unsaid = line
+
+    def announce_largest(self) -> None:
+        """At the end of training: the largest plan, where its re-plan went to the DEBUG log only."""
+        if self._unsaid is None:
+            return
+        rank_zero_info(
+            f"BlockwiseStrategy: planned again {self._replans} times as longer or masked batches came"
+            f" ({VERBOSE_ENV}=1 shows each); the largest plan: {self._unsaid}."
+        )
+        self._unsaid = None
+
     def note_host_batch(self, host_batch: Any, moved: Any) -> None:
         """Read a training batch's masked row on the host, for :meth:`see_batch` of its copy ``moved``.
 
@@ -173,10 +215,23 @@ class StepPlanner:
             room += self._layers.offload.host_bytes
         return agreed(room, "min", self.device, self.group)
 
-    def _plan_for(self, tokens: int) -> StepPlan:
+    def _plan_for(self, tokens: int, source: str = "") -> StepPlan:
+        """The plan at ``tokens`` tokens.
+
+        A refusal adds ``source`` (where the count came from) and, off CUDA, that
+        the budget caps nothing there.
+        """
         host_bytes = self.host_room() if self.budget.places_inputs else None
-        with budget_errors(self.owner):
+        try:
             plan = self.budget.plan(tokens, host_bytes)
+        except ValueError as error:
+            more = f" {source}" if source else ""
+            if self.device.type != "cuda" and self.budget.budget is not None:
+                more += (
+                    f" On the {self.device.type.upper()} the budget caps no memory (the frozen base already lives in"
+                    " host memory): drop `vram_budget` to train without one."
+                )
+            raise MisconfigurationException(f"{self.owner}: {error}{more}") from None
         if plan.over_card is not None:
             # Every rank plans for its own card: each says so (not rank 0 alone).
             warnings.warn(f"BlockwiseStrategy: at {tokens} tokens per micro-batch, {plan.over_card}.", stacklevel=2)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_blockwise.architectures import adapter_parameters
-from lightning_blockwise.planning import BlockPlan
+from lightning_blockwise.planning import BlockPlan, format_gb
 from lightning_blockwise.replay import remat
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy
@@ -239,8 +239,8 @@ class StreamedStack:
         return (
             f"{len(self.layers)} {model_type} decoder layers in {self.plan.num_blocks} blocks of up to"
             f" {self.plan.block_size}, {len(self.streamer.streamed)} streamed through {len(self.streamer.slots)} slots"
-            f" on {self.device}; host arena {arena.nbytes / 1e9:.3f} GB ({arena.bytes_needed / 1e9:.3f} GB of"
-            f" tensors){', pinned' if arena.pinned else ''}"
+            f" on {self.device}; host arena {format_gb(arena.nbytes, digits=3)}"
+            f" ({format_gb(arena.bytes_needed, digits=3)} of tensors){', pinned' if arena.pinned else ''}"
         )
 
     def close(self) -> None:
