@@ -3,15 +3,23 @@
 Run as ``python -m tests.helpers.ddp_worker OUT --strategy blockwise --devices N ...``, either once with no
 ``LOCAL_RANK`` in the environment (Lightning's launcher starts the other ranks, re-running this command) or once per
 rank with ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``NODE_RANK`` set, as torchrun does.
+
+``python -m tests.helpers.ddp_worker --arms ARMS.json`` (launched once per rank) runs several arms in turn in one
+process over one process group: ARMS.json maps each arm's name to its arguments as above, in the order to run them.
+Each arm is a fresh module, strategy and Trainer; between arms every rank lets go of its host copy and waits for the
+others, so the next arm starts as a fresh launch would. One launch's imports (about 10 s a process on a loaded CI
+machine) then serve every arm of a test file.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +38,7 @@ from lightning_blockwise.replay import block_major
 from lightning_blockwise.residency.placement import host_copy_of
 from lightning_blockwise.strategy import data_parallel
 from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY
+from lightning_blockwise.strategy.rank_watchdog import RankWatchdog
 from tests.helpers.models import (
     DEFAULT_TARGETS,
     TARGETS,
@@ -46,6 +55,21 @@ from tests.helpers.models import (
 
 
 def main() -> None:
+    torch.set_num_threads(1)
+    block_major.differentiate_window = _recorded_window  # type: ignore[assignment]
+    if sys.argv[1:2] != ["--arms"]:
+        run_arm(_parser().parse_args())
+        return
+    arms: dict[str, list[str]] = json.loads(Path(sys.argv[2]).read_text())
+    for argv in arms.values():
+        run_arm(_parser().parse_args(argv))
+        # The arm's module is gone: its host copy goes with it, and with it its claim (the next arm's owner is local
+        # rank 0 again); no rank starts the next arm while another still holds this one's copy.
+        gc.collect()
+        torch.distributed.barrier()
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--checkpoint", type=Path, required=True, help="a tiny Llama checkpoint, loaded as NF4")
@@ -69,10 +93,15 @@ def main() -> None:
     )
     parser.add_argument("--die-at-batch", type=int, default=None, help="rank 1 SIGKILLs itself before this backward")
     parser.add_argument("--no-watchdog", action="store_true", help="control: no rank watchdog (a collective waits)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.no_watchdog:
-        data_parallel.RankWatchdog = _NoWatchdog  # type: ignore[misc]
+    return parser
+
+
+def run_arm(args: argparse.Namespace) -> None:
+    """Fit one arm on this rank; save its run to ``OUT/rank<R>.pt`` and its host copy and windows to ``.json``."""
+    data_parallel.RankWatchdog = _NoWatchdog if args.no_watchdog else RankWatchdog  # type: ignore[misc]
+    if args.resume is not None and args.resume.is_dir():
+        # A directory: the one first-epoch checkpoint an earlier arm of this launch wrote there.
+        [args.resume] = sorted(args.resume.glob("epoch=0*.ckpt"))
 
     if args.gpu:
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
@@ -92,7 +121,7 @@ def main() -> None:
         strategy = DDPStrategy(**args.ddp_kwargs)
     args.out.mkdir(parents=True, exist_ok=True)
     before = _arena_hash(module)
-    windows = _record_windows()
+    _WINDOWS.clear()
     if args.epochs is None:
         # Every rank draws its micro-batches of each optimizer step from its shard (Lightning's DistributedSampler).
         count = args.devices * args.accumulate * args.max_steps
@@ -116,20 +145,17 @@ def main() -> None:
     copy = host_copy_of(module.model.get_base_model())
     shared = {"read_only": bool(copy and copy.arena.read_only), "serving": bool(copy and copy.serving)}
     shared["unchanged"] = before is not None and _arena_hash(module) == before
-    (args.out / f"rank{module.trainer.global_rank}.json").write_text(json.dumps({**shared, "windows": windows}))
+    (args.out / f"rank{module.trainer.global_rank}.json").write_text(json.dumps({**shared, "windows": _WINDOWS}))
 
 
-def _record_windows() -> list[bool]:
-    """Each block-major window backward of the run, in order: whether it fired the adapters' hooks once (DDP's)."""
-    windows: list[bool] = []
-    differentiate = block_major.differentiate_window
+#: Each block-major window backward of the arm, in order: whether it fired the adapters' hooks once (DDP's).
+_WINDOWS: list[bool] = []
+_differentiate_window = block_major.differentiate_window
 
-    def recorded(*args: Any, hooks_once: bool = False, **kwargs: Any) -> None:
-        windows.append(hooks_once)
-        differentiate(*args, hooks_once=hooks_once, **kwargs)
 
-    block_major.differentiate_window = recorded  # type: ignore[assignment]
-    return windows
+def _recorded_window(*args: Any, hooks_once: bool = False, **kwargs: Any) -> None:
+    _WINDOWS.append(hooks_once)
+    _differentiate_window(*args, hooks_once=hooks_once, **kwargs)
 
 
 def _arena_hash(module: CausalLMModule) -> str | None:

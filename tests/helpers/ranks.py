@@ -1,4 +1,8 @@
-"""Starting the ranks of a data-parallel test run as separate processes, with the variables torchrun sets."""
+"""Starting the ranks of a data-parallel test run as separate processes, with the variables torchrun sets.
+
+The one launcher of the multi-process tests (tests/distributed, tests/recipes): each process starts with one thread
+and the repository importable, its rank in ``RANK``/``LOCAL_RANK``, all of them at one free rendezvous port.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +30,10 @@ def clean_env(**variables: str) -> dict[str, str]:
     return env
 
 
-def run_ranks(command: Sequence[str], world: int, timeout: float = 300) -> list[tuple[int, str]]:
-    """Run ``command`` once per rank of a ``world``-process run; each rank's return code and output, in rank order."""
+def start_ranks(command: Sequence[str], world: int) -> list[subprocess.Popen[bytes]]:
+    """Start ``command`` once per rank of a ``world``-process run on this machine, as torchrun would; don't wait."""
     port = str(free_port())
-    processes = [
+    return [
         subprocess.Popen(
             list(command),
             cwd=ROOT,
@@ -46,5 +50,16 @@ def run_ranks(command: Sequence[str], world: int, timeout: float = 300) -> list[
         )
         for rank in range(world)
     ]
+
+
+def run_ranks(command: Sequence[str], world: int, timeout: float = 300) -> list[tuple[int, str]]:
+    """Run ``command`` once per rank of a ``world``-process run; each rank's return code and output, in rank order."""
+    processes = start_ranks(command, world)
     outputs = [process.communicate(timeout=timeout)[0].decode() for process in processes]
     return [(process.returncode, output) for process, output in zip(processes, outputs, strict=True)]
+
+
+def assert_succeeded(ranks: list[tuple[int, str]]) -> None:
+    """Every rank exited with 0; else the failing rank's last output."""
+    for rank, (code, output) in enumerate(ranks):
+        assert code == 0, f"rank {rank} exited with {code}:\n{output[-4000:]}"
