@@ -28,6 +28,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_blockwise.cli.base_flags import add_base_flags
+from lightning_blockwise.cli.commands import GENERATE_COMMAND
 from lightning_blockwise.recipes.chat import ALPACA, AUTO, chat_format
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.recipes.generation import (
@@ -43,8 +44,6 @@ from lightning_blockwise.recipes.generation import (
 )
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 
-#: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
-GENERATE_COMMAND = "generate"
 #: ``--chat-template`` value that sends the prompt as plain text, continued by the model.
 NO_TEMPLATE = "none"
 #: ``--precision`` values: Lightning's, refused on one line by the parser rather than by the Trainer, mid-run.
@@ -99,6 +98,7 @@ def generate_command(args: list[str] | None = None) -> list[Reply]:
             accelerator="gpu" if options.device == "cuda" else "cpu",
             precision=options.precision,
             ckpt_path=options.ckpt,
+            verbose=options.verbose,
         )
     except MisconfigurationException as error:
         _fail(str(error))
@@ -300,6 +300,12 @@ def _generate_parser() -> argparse.ArgumentParser:
     add_base_flags(parser, "Load")
     parser.add_argument(
         "--precision", choices=PRECISIONS, help="The Trainer's precision (default: bf16-mixed on GPU, 32-true on CPU)."
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show the messages left out by default, as LIGHTNING_BLOCKWISE_VERBOSE=1 does for any command: e.g."
+        " Lightning's note that a --ckpt's training callbacks are not given back, which generation does not need.",
     )
     return parser
 

@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel
 
 from lightning_blockwise.compat.bitsandbytes import disable_cpu_repack
+from lightning_blockwise.compat.quiet_logs import is_verbose
+from lightning_blockwise.planning import format_gb
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.recipes.generation_options import DEFAULT_MAX_NEW_TOKENS, MAX_NEW_TOKENS_LIMIT, Sampling
 from lightning_blockwise.recipes.prompt_tokens import PromptFormat, eos_ids, left_padded, until_eos
@@ -136,7 +138,7 @@ class ChatSession:
                 replies = self._answer(model, strategy.root_device, batch)
                 new = max(len(reply.tokens) for reply in replies)
                 rate = new * len(batch) / max(replies[0].seconds, 1e-9)
-                streamed = f", {counter.nbytes / max(new, 1) / 1e9:.2f} GB streamed per token" if blockwise else ""
+                streamed = f", {format_gb(counter.nbytes / max(new, 1))} streamed per token" if blockwise else ""
                 self.report(f"({new} tokens x {len(batch)} prompts in {replies[0].seconds:.1f} s: {rate:.2f} tokens/s"
                             f"{streamed})")  # fmt: skip
         finally:
@@ -204,6 +206,7 @@ def generate_replies(
     accelerator: str = "auto",
     precision: str | None = None,
     ckpt_path: str | Path | None = None,
+    verbose: bool = False,
 ) -> list[Reply]:
     """Load ``module``'s model under ``strategy`` and answer ``session``'s prompts; the replies, in order.
 
@@ -216,6 +219,8 @@ def generate_replies(
         precision: The Trainer's precision; ``None``: ``"bf16-mixed"`` on a GPU (what the configs train in),
             ``"32-true"`` on the CPU.
         ckpt_path: A ``.ckpt`` of a ``CausalLMFineTune`` run whose adapters are restored over the model.
+        verbose: Show the messages left out by default (as ``LIGHTNING_BLOCKWISE_VERBOSE=1`` does): Lightning's
+            warning that the ``.ckpt``'s training callbacks are not given back.
     """
     trainer = pl.Trainer(
         accelerator=accelerator,
@@ -230,6 +235,10 @@ def generate_replies(
     with warnings.catch_warnings():
         # One batch that is the whole session: worker processes would have nothing to do.
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        if not (verbose or is_verbose()):
+            # A training run's `.ckpt` records its callbacks (ParityCheck, the profiler, ModelCheckpoint): Lightning
+            # asks for them back on every load, but generation restores the adapters only and needs none of them.
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
         trainer.predict(
             module, DataLoader([session], batch_size=None), ckpt_path=ckpt_path and str(ckpt_path),
             return_predictions=False,
@@ -252,7 +261,7 @@ def expected_speed(strategy: BlockwiseStrategy) -> str:
         )
     rate = link_rate(host_copy.arena.slabs[0], device)
     return (
-        f"Each new token streams {streamed / 1e9:.2f} GB of the base ({resident}) at {rate / 1e9:.1f} GB/s:"
+        f"Each new token streams {format_gb(streamed)} of the base ({resident}) at {rate / 1e9:.1f} GB/s:"
         f" about {streamed / rate:.2f} s per token, shared by the prompts of a batch. `--vram-budget` keeps more"
         " blocks resident."
     )
