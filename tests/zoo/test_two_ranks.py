@@ -38,4 +38,9 @@ def test_two_clients_on_two_ranks_blockwise_equals_ddp(zoo_base: Path, tmp_path:
         assert all(
             torch.equal(a[name], b[name]) for a, b in zip(first.grads, second.grads, strict=True) for name in a
         ), client
-        assert first.logged == [] or first.logged[-1].keys() == second.logged[-1].keys()
+    # What is synced over the ranks is logged alike on both: the `sync_dist=True` loss, the torchmetrics metric.
+    for client, synced in (("PlQLoRA", "train_loss_epoch"), ("LitConfigureModel", "train/ppl_epoch")):
+        first, second = (runs[rank][client, "blockwise"].logged[-1] for rank in range(WORLD))
+        assert torch.equal(first[synced], second[synced]), (client, synced)
+    unsynced = [runs[rank]["LitConfigureModel", "blockwise"].logged[-1]["train/loss"] for rank in range(WORLD)]
+    assert not torch.equal(*unsynced)  # control: a metric logged without syncing is each rank's own
