@@ -126,7 +126,8 @@ def _cli_option_exists(option: str) -> bool:
             return False
         return len(rest) == 1 or (rest[0] in NESTED and rest[1] in NESTED[rest[0]])
     if group in ("model", "data"):
-        return len(rest) == 1 and rest[0] in (MODELS if group == "model" else DATA)
+        # `--model CLASS` names the class (subclass mode); `--model.init_args.X` one of its arguments.
+        return not rest or (len(rest) == 1 and rest[0] in (MODELS if group == "model" else DATA))
     return False
 
 
@@ -303,3 +304,39 @@ def test_control_made_up_names_fail(tmp_path: Path) -> None:
         "made-up.md:10: `BlockwiseStrategy` takes no `blok_size`",
         "made-up.md:10: `Trainer` takes no `devises`",
     ]
+
+
+#: The arguments `BlockwiseStrategy` takes for Lightning's strategies (the device, the cluster, DDP's), not its own.
+_LIGHTNING_STRATEGY_ARGUMENTS = {
+    "accelerator", "device", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+    "process_group_backend", "timeout", "ddp_kwargs",
+}  # fmt: skip
+
+
+def option_table_problems(text: str) -> list[str]:
+    """Where the README's option table of ``BlockwiseStrategy`` misses an option, names another, or gives a default
+    the signature does not have."""
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| `([^`]+)` \|", text, flags=re.M))
+    parameters = inspect.signature(BlockwiseStrategy).parameters
+    own = [name for name in parameters if name not in _LIGHTNING_STRATEGY_ARGUMENTS]
+    found = [f"`{name}` is missing from the table" for name in own if name not in rows]
+    for name, default in rows.items():
+        if name not in parameters:
+            found.append(f"`{name}` is no argument of BlockwiseStrategy")
+            continue
+        actual = parameters[name].default
+        written = f'"{actual}"' if isinstance(actual, str) else repr(actual)
+        if default != written:
+            found.append(f"`{name}` defaults to `{written}`, the table says `{default}`")
+    return found
+
+
+def test_the_readme_option_table_is_the_strategy_signature() -> None:
+    """Every option of `BlockwiseStrategy` is in the README's table, with its default, and nothing else is."""
+    assert option_table_problems((ROOT / "README.md").read_text()) == []
+    # Control: a made-up row, a wrong default and a missing row are each found.
+    table = "| `block_size` | `2` |\n| `blok_size` | `1` |\n"
+    wrong = option_table_problems(table)
+    assert "`block_size` defaults to `1`, the table says `2`" in wrong
+    assert "`blok_size` is no argument of BlockwiseStrategy" in wrong
+    assert "`prefetch_depth` is missing from the table" in wrong
