@@ -47,7 +47,7 @@ class HalfLoRA(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
-def test_fp16_base_under_16_mixed_on_the_cpu(zoo_base: Path, tmp_path: Path) -> None:
+def test_fp16_compute_dtype_under_16_mixed_on_the_cpu(zoo_base: Path, tmp_path: Path) -> None:
     runs = []
     for strategy in ("auto", "blockwise"):
         with pytest.warns(UserWarning, match=r"AMP with fp16 is not supported on CPU\. Using `precision='bf16-mixed'`"):
