@@ -1,4 +1,4 @@
-"""Every command, option and argument the README and docs/ name exists (issue 43 item 11).
+"""Every command, option, argument and file the README and docs/ name exists (issue 43 item 11).
 
 Read from the Markdown's code (inline spans and fenced blocks), each checked against what it names:
 
@@ -11,6 +11,8 @@ Read from the Markdown's code (inline spans and fenced blocks), each checked aga
   its source; of ``torchrun``: its own parser's; of ``pip``, ``sbatch``, ``tensorboard``: the short lists below.
 - ``--option`` in a span without a command (prose: "`--recompute-every 2`"): an option of some command above.
 - ``Class(name=...)`` for the package's public classes and Lightning's ``Trainer``: ``name`` is an argument of it.
+- The README's option table of ``BlockwiseStrategy``: every option of its own, with the signature's default.
+- A path with a folder (``recipes/finetune.py``): a file of the repository or the package.
 
 Each check has a control: a made-up option, command or argument in a page fails it.
 """
@@ -340,3 +342,29 @@ def test_the_readme_option_table_is_the_strategy_signature() -> None:
     assert "`block_size` defaults to `1`, the table says `2`" in wrong
     assert "`blok_size` is no argument of BlockwiseStrategy" in wrong
     assert "`prefetch_depth` is missing from the table" in wrong
+
+
+_PATH = re.compile(r"`((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]+\.(?:py|yaml|jsonl|json|md))`")
+
+
+def missing_paths(page: Path) -> list[str]:
+    """Paths with a folder in ``page``'s code spans (``recipes/finetune.py``) that name no file of the repository
+    or the package."""
+    found = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for path in _PATH.findall(line):
+            if not any((base / path).exists() for base in (ROOT, ROOT / "lightning_blockwise", page.parent)):
+                found.append(f"{page.name}:{number}: `{path}` is no file")
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_file_a_page_names_exists(page: Path) -> None:
+    wrong = missing_paths(page)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_control_a_moved_file_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "moved.md"
+    page.write_text("See `recipes/finetune.py` and `configs/demo.yaml`, not `recipes/finetuning.py`.\n")
+    assert missing_paths(page) == ["moved.md:1: `recipes/finetuning.py` is no file"]
