@@ -18,14 +18,16 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_blockwise.cli.base_flags import add_base_flags
-from lightning_blockwise.export.merge import DEFAULT_MAX_SHARD_SIZE, MERGE_CHOICES, export
+from lightning_blockwise.cli.commands import EXPORT_COMMAND
 
-#: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
-EXPORT_COMMAND = "export"
+#: ``--merge``'s choices and ``--max-shard-size``'s default: `export.merge`'s ``MERGE_CHOICES`` and
+#: ``DEFAULT_MAX_SHARD_SIZE``, written here so that ``export --help`` imports no torch (tests/test_startup.py checks
+#: that they agree).
+MERGE_CHOICES = ("none", "bf16", "fp32", "nf4")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def export_command(args: list[str] | None = None) -> Path:
@@ -42,6 +44,11 @@ def export_command(args: list[str] | None = None) -> Path:
             adapter, base or target that cannot be used (checked before any weight is read).
     """
     options = _export_parser().parse_args(sys.argv[2:] if args is None else args)
+    # Once the arguments parse (NOTE [ The command starts without Lightning ] in cli/__init__.py).
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_blockwise.export.merge import export
+
     try:
         written = export(
             options.adapter,

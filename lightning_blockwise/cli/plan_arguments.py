@@ -14,15 +14,15 @@ from typing import NoReturn
 
 from typing_extensions import override
 
-from lightning_blockwise.cli.plan_longest import TABLE_CARDS_GIB, TABLE_LENGTHS
-from lightning_blockwise.kernels.liger import LIGER_MODEL_TYPES
+from lightning_blockwise.cli.commands import PLAN_COMMAND
 from lightning_blockwise.planning import card_bytes, parse_bytes
 from lightning_blockwise.planning.longest import DEFAULT_LINK_GBPS, DEFAULT_TFLOPS
-from lightning_blockwise.planning.recommend import check_card
 from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES
 
-#: The subcommand handled before LightningCLI parses (LightningCLI knows only the Trainer's).
-PLAN_COMMAND = "plan"
+#: ``--table``'s lengths, in tokens (4k to 512k).
+TABLE_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288)
+#: ``--table``'s cards, in GiB.
+TABLE_CARDS_GIB = (16, 24, 48, 80)
 #: ``--offload-activations``: the strategy's ``offload_activations`` for each choice.
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 #: ``--kernels``: the layers the plan counts (NOTE [ The kernels plan counts ]).
@@ -71,6 +71,8 @@ def modelled_kernels(choice: str, model_type: str, mlp_tiled: bool = False) -> M
     Raises:
         ValueError: If ``choice`` is not one of :data:`KERNEL_CHOICES`.
     """
+    from lightning_blockwise.kernels.liger import LIGER_MODEL_TYPES  # imports torch: not for `plan --help`
+
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels={choice!r} is not a choice; choose one of {', '.join(KERNEL_CHOICES)}.")
     own = "the model's own RMSNorm, RoPE and MLP"
@@ -125,6 +127,8 @@ def _memory_size(text: str, parse: Callable[[str], int] = parse_bytes) -> int:
 
 def _card_size(text: str) -> int:
     """An argparse ``type``: a card's memory, ``24GB`` or ``24GiB`` alike (``card_bytes``), larger than its context."""
+    from lightning_blockwise.planning.recommend import check_card  # imports torch: not for `plan --help`
+
     size = _memory_size(text, card_bytes)
     try:
         check_card(size)

@@ -27,21 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
 from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, modelled_kernels, plan_parser
-from lightning_blockwise.cli.plan_context import longest_report
 from lightning_blockwise.cli.plan_nodes import add_nodes_argument, check_nodes, nodes_fields
-from lightning_blockwise.cli.plan_render import plan_fields, print_report, recommendation_fields
-from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
-from lightning_blockwise.planning.recommend import (
-    CUDA_CONTEXT_RESERVE,
-    RECOMMENDED_MLP_TILE_TOKENS,
-    recommend,
-)
 from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES, shape_config
-from lightning_blockwise.planning.sizing import model_sizes
 
 
 def plan(args: list[str] | None = None) -> dict[str, Any]:
@@ -60,6 +48,13 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
     parser = plan_parser()
     add_nodes_argument(parser)
     options = parser.parse_args(sys.argv[2:] if args is None else args)
+    # The report's modules import torch and Lightning: only once the arguments parse, so that `plan --help` starts
+    # without them (NOTE [ The command starts without Lightning ] in cli/__init__.py).
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_blockwise.cli.plan_context import longest_report
+    from lightning_blockwise.cli.plan_render import print_report
+
     try:
         check_nodes(options.nodes, options.longest or options.table)
     except MisconfigurationException as error:
@@ -162,6 +157,13 @@ def plan_report(
             a choice, ``block_size`` is out of range, ``vram_budget`` below the minimum, or ``gpu_memory`` no more
             than the CUDA context takes.
     """
+    import torch
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_blockwise.cli.plan_render import plan_fields, recommendation_fields
+    from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, recommend
+    from lightning_blockwise.planning.sizing import model_sizes
+
     try:
         model = model_sizes(
             config,
@@ -262,6 +264,9 @@ def plan_report(
 
 def _smaller_step_hint(loss_chunk_tokens: int | None, mlp_tile_tokens: int | None) -> str:
     """Where a budget is too small: the module's options that would make the step smaller, not given yet."""
+    from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
+    from lightning_blockwise.planning.recommend import RECOMMENDED_MLP_TILE_TOKENS
+
     if loss_chunk_tokens is None:
         return (
             f" Or plan for the chunked loss (--loss-chunk-tokens {DEFAULT_CHUNK_TOKENS}), which never holds every"

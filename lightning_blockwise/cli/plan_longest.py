@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_blockwise.cli.plan_arguments import TABLE_CARDS_GIB, TABLE_LENGTHS
 from lightning_blockwise.planning.footprint import ModelSizes
 from lightning_blockwise.planning.input_levels import INPUTS_IN_FLIGHT, card_inputs
 from lightning_blockwise.planning.longest import (
@@ -27,10 +28,6 @@ from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT
 from lightning_blockwise.planning.recommend import SMALLEST_CARD, Recommendation, recommend
 from lightning_blockwise.residency.arena import HOST_RAM_RESERVE
 
-#: ``--table``'s lengths, in tokens (4k to 512k).
-TABLE_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288)
-#: ``--table``'s cards, in GiB.
-TABLE_CARDS_GIB = (16, 24, 48, 80)
 #: The memories a length can run out of, in the order they are checked and named.
 MEMORIES = ("card", "host", "pinned")
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
 from lightning_blockwise.planning.units import format_gb
 
 # NOTE [ Traffic of a step on many nodes ]
@@ -41,6 +39,8 @@ def check_nodes(nodes: int, whole_card_modes: bool) -> None:
     Raises:
         MisconfigurationException: If ``nodes`` is below 1, or given with ``--longest``/``--table``.
     """
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException  # not for `plan --help`
+
     if nodes < 1:
         raise MisconfigurationException(f"--nodes {nodes}: a run has at least one node; give 1 or more.")
     if nodes > 1 and whole_card_modes:

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lightning_blockwise.compat.import_hooks import when_imported
+
 # NOTE [ Two Lightning namespaces ]
 # `pip install lightning` installs two copies of Lightning: `lightning.pytorch` (over `lightning.fabric`) and the
 # `pytorch-lightning` distribution, `pytorch_lightning` (over `lightning_fabric`), which Lightning builds from the same
@@ -51,6 +53,8 @@ LIGHTNING, PYTORCH_LIGHTNING = "lightning.pytorch", "pytorch_lightning"
 PACKAGE = "lightning_blockwise"
 #: Where the ``pytorch_lightning`` twins live: ``lightning_blockwise.pl.<module>``.
 TWIN_PACKAGE = f"{PACKAGE}.pl"
+#: Where ``BlockwiseStrategy`` is defined, in the package and in the twin package.
+STRATEGY_MODULE = "strategy.blockwise"
 _ROOT = Path(__file__).resolve().parent.parent
 
 #: Package modules (relative names, ``""`` the package) that import Lightning classes other than its exceptions and
@@ -69,6 +73,7 @@ TWINNED = frozenset(
         "cli.data_check",
         "cli.generate_command",
         "cli.progress_bar_flag",
+        "cli.trainer_cli",
         "demos",
         "demos.progressions",
         "demos.tiny",
@@ -211,57 +216,23 @@ def pytorch_lightning_installed() -> bool:
 # Importing `pytorch_lightning` changes a `lightning.pytorch` process: both set the one `lightning_utilities` rank-zero
 # logger to their own, so Lightning's messages would go to `pytorch_lightning...` loggers and a user's settings of
 # `logging.getLogger("lightning.pytorch")` would stop applying. So the twins load only where `pytorch_lightning` is
-# imported already, else right after the user's own `import pytorch_lightning` (`_WhenImported`, a one-shot finder).
-class _WhenImported(importlib.abc.MetaPathFinder):
-    """Runs ``then`` once, right after the top-level module ``name`` is imported (by anyone)."""
-
-    def __init__(self, name: str, then: Any) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # one shot, and the real spec is found below without this finder
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute = spec.loader.exec_module
-
-        def execute_then(module: ModuleType) -> None:
-            execute(module)
-            self.then()
-
-        spec.loader.exec_module = execute_then  # type: ignore[method-assign]  # this spec's own loader object
-        return spec
-
-
-def load_twins_with_pytorch_lightning(strategy: type) -> ModuleType | None:
-    """Load the twins now if ``pytorch_lightning`` is imported already, else right after it is (NOTE above).
-
-    Returns the twin package when it was loaded now, else ``None``.
-    """
-    if sys.modules.get(PYTORCH_LIGHTNING) is not None:
-        return load_twins(strategy)
+# imported already, else right after the user's own `import pytorch_lightning` (compat/import_hooks.py). The twins use
+# the shared modules, which import `lightning.pytorch` for its exceptions: it is imported just before
+# `pytorch_lightning`, so that `pytorch_lightning` sets the logger last, as it did when `import lightning_blockwise`
+# imported `lightning.pytorch` itself (NOTE [ Registration waits for Lightning ] in compat/strategy_registry.py).
+def load_twins_with_pytorch_lightning() -> None:
+    """Load the twins now if ``pytorch_lightning`` is imported already, else right after it is (NOTE above)."""
     if pytorch_lightning_installed():
         install()  # `import lightning_blockwise.pl` works before `pytorch_lightning` is imported too
-        if not any(isinstance(finder, _WhenImported) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _WhenImported(PYTORCH_LIGHTNING, lambda: load_twins(strategy)))
-    return None
+        when_imported(PYTORCH_LIGHTNING, load_twins, before=lambda: importlib.import_module(LIGHTNING))
 
 
-def load_twins(strategy: type) -> ModuleType | None:
-    """Load ``lightning_blockwise.pl`` where ``pytorch_lightning`` is installed, and pair the two strategy classes.
+def load_twins() -> ModuleType | None:
+    """Load ``lightning_blockwise.pl`` where ``pytorch_lightning`` is installed.
 
-    The twin package registers its strategy in ``pytorch_lightning``'s registry as it runs.
-
-    The twin package registers its strategy in ``pytorch_lightning``'s registry and pairs it with ``strategy``
+    The twin package registers its strategy in ``pytorch_lightning``'s registry and pairs it with the original
     (:func:`pair`) as it runs; where it is being imported already (``import lightning_blockwise.pl``, which imports
     ``pytorch_lightning``), the half-made package is returned and finishes by itself.
-
-    Args:
-        strategy: ``lightning_blockwise.BlockwiseStrategy``.
 
     Returns:
         The twin package, or ``None`` without ``pytorch_lightning``.
@@ -276,16 +247,22 @@ def load_twins(strategy: type) -> ModuleType | None:
         return None
 
 
-def pair(twin: type) -> None:
+def pair() -> None:
     """Pair the twin strategy class with the original, from the twin package as it finishes loading.
 
     The connector's `isinstance(strategy, Strategy)` for an instance built from the original class (converted at its
     first write), and our own `isinstance(x, BlockwiseStrategy)` checks for the twin. One direction each: a pair of
-    ABCs that register each other recurses forever on a negative check.
+    ABCs that register each other recurses forever on a negative check. It waits for both classes' modules (NOTE
+    [ The twins load when pytorch_lightning does ]).
     """
-    original = getattr(sys.modules[PACKAGE], twin.__name__)
-    lightning_base(twin).register(original)
-    original.register(twin)
+    original, twin = f"{PACKAGE}.{STRATEGY_MODULE}", f"{TWIN_PACKAGE}.{STRATEGY_MODULE}"
+
+    def pair_now() -> None:
+        original_class, twin_class = (sys.modules[name].BlockwiseStrategy for name in (original, twin))
+        lightning_base(twin_class).register(original_class)
+        original_class.register(twin_class)
+
+    when_imported(original, lambda: when_imported(twin, pair_now))
 
 
 def lightning_base(kind: type) -> Any:

@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
@@ -94,6 +93,9 @@ def untested_message(outside: list[Dependency]) -> str:
 
 def warn_if_untested() -> None:
     """Warn once per process, on rank zero, about dependencies outside the tested range, with the fix."""
+    # Here, not at the top: `lightning-blockwise versions` runs without Lightning (tests/test_startup.py).
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
     try:
         outside = untested()
     except RuntimeError as error:  # run from a source tree without an install: say so, do not guess

@@ -103,10 +103,10 @@ def test_blockwise_is_registered_in_both_registries_once() -> None:
 def test_pytorch_lightning_stays_optional(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pytorch_lightning", None)  # how Python blocks an import
     assert not lightning_namespaces.pytorch_lightning_installed()
-    assert lightning_namespaces.load_twins(BlockwiseStrategy) is None
+    assert lightning_namespaces.load_twins() is None
     # Control: installed, the twin package is loaded and paired.
     monkeypatch.undo()
-    assert lightning_namespaces.load_twins(BlockwiseStrategy) is blockwise_pl
+    assert lightning_namespaces.load_twins() is blockwise_pl
 
 
 def test_an_instance_becomes_the_twin_of_the_trainer_that_adopts_it() -> None:
@@ -227,6 +227,7 @@ def test_mixing_namespaces_is_refused_before_any_work(callback: Any, fix: str) -
 _FRESH_PROCESS = """
 import sys
 import lightning_blockwise
+import lightning.pytorch
 from lightning_blockwise.compat import lightning_namespaces
 {then}
 import lightning_utilities.core.rank_zero as rank_zero
@@ -237,7 +238,7 @@ print("registered:", StrategyRegistry["blockwise"]["strategy"].__module__)
 """
 
 
-_THEN = {"lazy": "", "control-eager": "lightning_namespaces.load_twins(lightning_blockwise.BlockwiseStrategy)"}
+_THEN = {"lazy": "", "control-eager": "lightning_namespaces.load_twins().BlockwiseStrategy"}
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +263,9 @@ def fresh_processes() -> dict[str, subprocess.CompletedProcess[str]]:
 
 @pytest.mark.parametrize("then", list(_THEN))
 def test_the_twins_wait_for_the_users_import_of_pytorch_lightning(fresh_processes: dict, then: str) -> None:
-    """NOTE [ The twins load when pytorch_lightning does ]: `import lightning_blockwise` alone leaves Lightning's
-    rank-zero logger `lightning.pytorch`'s; `import pytorch_lightning` afterwards still registers "blockwise".
+    """NOTE [ The twins load when pytorch_lightning does ]: `import lightning_blockwise` and `lightning.pytorch`
+    leave Lightning's rank-zero logger `lightning.pytorch`'s; `import pytorch_lightning` afterwards still registers
+    "blockwise".
     Control: loading the twins at once (what the import did before) hands the logger to `pytorch_lightning`."""
     done = fresh_processes[then]
     assert done.returncode == 0, done.stderr[-2000:]
