@@ -6,7 +6,7 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -104,9 +104,11 @@ class RematLayer:
         self.keep = keep
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
-        # The class's own forward: Hugging Face's checkpointing wrapper included, but that is
-        # switched off on the instance while this wrapper is installed (see `install`).
-        self._forward = type(layer).forward
+        # The layer's own forward: one a user set on the instance (NOTE [ A forward set on the layer ]), else the
+        # class's (Hugging Face's checkpointing is switched off on the instance while this wrapper is installed).
+        self.own_forward: Callable[..., Any] | None = vars(layer).get("forward")
+        own = self.own_forward
+        self._forward = type(layer).forward if own is None else (lambda _layer, *args, **kwargs: own(*args, **kwargs))
         # What makes the Function's output need a gradient when only the adapters do (NOTE [ Exact rematerialization ]).
         self.anchor = torch.empty(0, requires_grad=True)
 
@@ -286,6 +288,11 @@ def install(
     gradient checkpointing is switched off on the instances meanwhile: the recompute
     already does its job, and nesting it would run each layer a third time.
     """
+    # NOTE [ A forward set on the layer ]
+    # A `forward` assigned on a decoder layer's instance (a user's patch, `types.MethodType(...)`) is what resident
+    # training calls. The wrapper takes that attribute's place, so it runs the patch (in the forward and the recompute,
+    # as Hugging Face's checkpointing would) and `uninstall` puts it back; the class's forward trained another function,
+    # silently. (accelerate's patches count calls: refused, NOTE [ accelerate's hooks replace forward ].)
     for index, (layer, layer_params) in enumerate(zip(layers, params, strict=True)):
         uninstall([layer])
         host = to_host is None or index in to_host
@@ -309,6 +316,8 @@ def uninstall(layers: Sequence[nn.Module]) -> None:
         if not isinstance(remat, RematLayer):
             continue
         del layer.forward
+        if remat.own_forward is not None:
+            layer.forward = remat.own_forward
         if remat.saved_checkpointing is None:
             vars(layer).pop("gradient_checkpointing", None)
         else:
