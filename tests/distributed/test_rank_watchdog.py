@@ -11,42 +11,22 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_data_parallel import ROOT, _env, _free_port, _worker, run_external
-from tests.helpers.models import RunResult, assert_equal_runs, save_checkpoint
+from tests.distributed.test_data_parallel import _arm, _results, _worker, run_arms
+from tests.helpers.models import RunResult, assert_equal_runs
+from tests.helpers.ranks import start_ranks
 
 #: Seconds the surviving rank may take to end after its peer died (the watchdog checks every second).
 BOUND = 30.0
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("llama"))
-
-
 def _start(command: list[str]) -> list[subprocess.Popen[bytes]]:
     """Two ranks of ``command``, started as torchrun starts them."""
-    port = str(_free_port())
-    return [
-        subprocess.Popen(
-            command,
-            env=_env(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                WORLD_SIZE="2",
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                NODE_RANK="0",
-            ),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(2)
-    ]
+    return start_ranks(command, world=2)
 
 
 def _survivor_exit(ranks: list[subprocess.Popen[bytes]], limit: float) -> tuple[float | None, str]:
@@ -66,8 +46,24 @@ def _watchdog_worker(*extra: str) -> list[str]:
     return [sys.executable, "-m", "tests.helpers.watchdog_worker", *extra]
 
 
-def test_the_watchdog_ends_a_waiting_rank_and_names_the_dead_one() -> None:
-    ranks = _start(_watchdog_worker())
+@pytest.fixture(scope="module")
+def waiting() -> Iterator[dict[str, list[subprocess.Popen[bytes]]]]:
+    """The three 2-rank runs of the watchdog alone, started at once: each spends most of its life asleep or waiting
+    on its dead peer (CI has two cores), and each test below reads its own run's ranks. The first test watches its
+    run from before rank 1 dies, so the seconds it measures are the survivor's whole way out."""
+    runs = {
+        "watched": _start(_watchdog_worker()),
+        "unwatched": _start(_watchdog_worker("--no-watchdog", "--sleep", "8")),
+        "finishing": _start(_watchdog_worker("--finish")),
+    }
+    yield runs
+    for rank in (rank for ranks in runs.values() for rank in ranks if rank.poll() is None):
+        rank.kill()  # a test that failed before its run ended
+        rank.communicate()
+
+
+def test_the_watchdog_ends_a_waiting_rank_and_names_the_dead_one(waiting: dict) -> None:
+    ranks = waiting["watched"]
     seconds, output = _survivor_exit(ranks, limit=BOUND)
     assert ranks[1].returncode == -9, "rank 1 was SIGKILLed"
     assert seconds is not None and seconds < BOUND, output[-3000:]
@@ -75,24 +71,23 @@ def test_the_watchdog_ends_a_waiting_rank_and_names_the_dead_one() -> None:
     assert "rank 1 (process" in output and "died during training" in output and "resume" in output, output[-3000:]
 
 
-def test_control_without_the_watchdog_the_waiting_rank_goes_on() -> None:
-    ranks = _start(_watchdog_worker("--no-watchdog", "--sleep", "8"))
+def test_control_without_the_watchdog_the_waiting_rank_goes_on(waiting: dict) -> None:
+    ranks = waiting["unwatched"]
     _, output = _survivor_exit(ranks, limit=BOUND)
     assert ranks[0].returncode == 0 and "survived" in output, output[-3000:]
 
 
-def test_a_rank_that_ends_normally_first_is_no_death() -> None:
+def test_a_rank_that_ends_normally_first_is_no_death(waiting: dict) -> None:
     """Rank 1 finishes and exits while rank 0 is still busy: rank 0 finishes too (its store waits for rank 1)."""
-    ranks = _start(_watchdog_worker("--finish"))
+    ranks = waiting["finishing"]
     outputs = [rank.communicate(timeout=120)[0].decode() for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "rank 0 finished" in outputs[0] and "rank 1 finished" in outputs[1]
 
 
-def test_a_dead_rank_ends_the_training_run_and_it_resumes_exactly(checkpoint: Path, tmp_path: Path) -> None:
-    whole = run_external(tmp_path / "whole", checkpoint, "blockwise", 2, "--epochs", "2", "--load-blockwise")
-    command = _worker(tmp_path / "killed", checkpoint, "blockwise", 2, "--epochs", "2", "--load-blockwise")
-    ranks = _start([*command, "--die-at-batch", "6"])
+def test_a_dead_rank_ends_the_training_run_and_it_resumes_exactly(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    checkpoint, epochs = checkpoints["llama"], ("--epochs", "2", "--load-blockwise")
+    ranks = _start([*_worker(tmp_path / "killed", checkpoint, "blockwise", 2, *epochs), "--die-at-batch", "6"])
     seconds, output = _survivor_exit(ranks, limit=BOUND)
     assert ranks[1].returncode == -9, "rank 1 was SIGKILLed"
     # Ended by the watchdog or, on gloo, by the peer's closed socket, whichever comes first.
@@ -101,11 +96,15 @@ def test_a_dead_rank_ends_the_training_run_and_it_resumes_exactly(checkpoint: Pa
     assert "rank 1 (process" in output and "died during training" in output, output[-3000:]
     # Both processes are gone, so is every mapping and the pinned registration of the shared host copy.
     assert all(rank.poll() is not None for rank in ranks)
-    # The run resumes from its last checkpoint (the first epoch's) and ends as the uninterrupted one.
+    # The run resumes from its last checkpoint (the first epoch's) and ends as the uninterrupted one (both arms in
+    # one launch, after the kill: a launch's imports cost ~10 s a process on CI's two cores).
     [first] = sorted((tmp_path / "killed" / "checkpoints").glob("epoch=0*.ckpt"))
-    resumed = run_external(
-        tmp_path / "resumed", checkpoint, "blockwise", 2, "--epochs", "2", "--load-blockwise", "--resume", str(first)
-    )
+    arms = {
+        "whole": _arm(tmp_path / "whole", checkpoint, "blockwise", 2, *epochs),
+        "resumed": _arm(tmp_path / "resumed", checkpoint, "blockwise", 2, *epochs, "--resume", str(first)),
+    }
+    run_arms(tmp_path / "launch", 2, arms)
+    whole, resumed = _results(tmp_path / "whole", 2), _results(tmp_path / "resumed", 2)
     for rank in range(2):
         tail = RunResult(whole[rank].losses[4:], whole[rank].grads[2:], whole[rank].weights, whole[rank].optimizer)
         assert_equal_runs(tail, resumed[rank])
