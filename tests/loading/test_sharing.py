@@ -39,35 +39,49 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_checkpoint("llama", tmp_path_factory.mktemp("llama"))
 
 
-def _two_loads(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict, dict]:
-    tmp_path.mkdir(parents=True, exist_ok=True)
+def _two_loads(checkpoint: Path, arms: dict[Path, tuple[str, ...]]) -> dict[Path, tuple[dict, dict]]:
+    """Per arm (its directory: its flags), a first process that loads and holds, then a second that loads meanwhile.
+
+    The arms run side by side: each process is mostly ~10 s of imports, and CI has two cores while the test waits.
+    """
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [sys.executable, "-m", "tests.helpers.share_worker", str(checkpoint)]
-    hold = tmp_path / "release"
-    first = subprocess.Popen([*command, str(tmp_path / "first.json"), "--hold", str(hold), *flags], cwd=ROOT, env=env)
+    firsts = {}
+    for directory, flags in arms.items():
+        directory.mkdir(parents=True, exist_ok=True)
+        hold = ["--hold", str(directory / "release")]
+        firsts[directory] = subprocess.Popen(
+            [*command, str(directory / "first.json"), *hold, *flags], cwd=ROOT, env=env
+        )
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "first.json").exists():
-            assert first.poll() is None and time.monotonic() < deadline, "the first load failed or hung"
+        deadline = time.monotonic() + 300  # a hang's bound, for processes that start side by side on a loaded CI
+        while not all((directory / "first.json").exists() for directory in arms):
+            assert all(first.poll() is None for first in firsts.values()), "a first load failed"
+            assert time.monotonic() < deadline, "a first load hung"
             time.sleep(0.05)
-        second = subprocess.run([*command, str(tmp_path / "second.json"), *flags], cwd=ROOT, env=env, timeout=120)
-        assert second.returncode == 0
+        seconds = [
+            subprocess.Popen([*command, str(directory / "second.json"), *flags], cwd=ROOT, env=env)
+            for directory, flags in arms.items()
+        ]
+        assert [second.wait(timeout=300) for second in seconds] == [0] * len(arms)
     finally:
-        hold.touch()
-        assert first.wait(timeout=60) == 0
-    return json.loads((tmp_path / "first.json").read_text()), json.loads((tmp_path / "second.json").read_text())
+        for directory in arms:
+            (directory / "release").touch()
+        assert [first.wait(timeout=60) for first in firsts.values()] == [0] * len(arms)
+    return {d: (json.loads((d / "first.json").read_text()), json.loads((d / "second.json").read_text())) for d in arms}
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")
 def test_a_second_load_maps_the_first_ones_copy(checkpoint: Path, tmp_path: Path) -> None:
     """The second process maps the first one's arena read-only: same bytes, same logits; control: no sharing."""
-    first, second = _two_loads(checkpoint, tmp_path / "shared")
+    loads = _two_loads(checkpoint, {tmp_path / "shared": (), tmp_path / "own": ("--no-share",)})
+    first, second = loads[tmp_path / "shared"]
     assert first["serving"] and not first["read_only"]
     assert second["read_only"] and not second["serving"]
     assert first["arena"] == second["arena"] and first["logits"] == second["logits"]
     # Control: with share=False each process has a copy of its own (and the same bytes).
-    own_first, own_second = _two_loads(checkpoint, tmp_path / "own", "--no-share")
+    own_first, own_second = loads[tmp_path / "own"]
     assert not own_first["serving"] and not own_second["read_only"]
     assert own_second["arena"] == second["arena"] and own_second["logits"] == second["logits"]
 
@@ -92,10 +106,11 @@ def test_concurrent_jobs_share_a_packed_copy_when_they_opt_in(checkpoint: Path, 
 
     Control: with the default (`None`), jobs of one process each share nothing with another job.
     """
-    first, second = _two_loads(checkpoint, tmp_path / "opt_in", "--pack", "true")
+    loads = _two_loads(checkpoint, {tmp_path / "opt_in": ("--pack", "true"), tmp_path / "default": ("--pack", "none")})
+    first, second = loads[tmp_path / "opt_in"]
     assert first["serving"] and second["read_only"] and not second["serving"]
     assert first["losses"] == second["losses"]
-    own_first, own_second = _two_loads(checkpoint, tmp_path / "default", "--pack", "none")
+    own_first, own_second = loads[tmp_path / "default"]
     assert not own_first["serving"] and not own_second["read_only"]
     assert own_second["losses"] == second["losses"]
 
