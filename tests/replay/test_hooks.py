@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_blockwise.replay import hooks, remat
 from tests.helpers.models import CausalLMModule, RunResult, assert_equal_runs, build_model, fit, runs_differ
@@ -138,3 +138,87 @@ def test_observed_hidden_states_are_exact() -> None:
     assert_equal_runs(expected, run)
     for a, b in zip(resident.norms, blockwise.norms, strict=True):
         assert torch.equal(a, b)
+
+
+# NOTE [ A layer's modules, listed once ]: what changes after the first step is seen.
+
+LATE_BATCH = 2  # the first micro-batch of the second optimizer step
+
+
+class _Late(CausalLMModule):
+    """A llama that, at micro-batch ``LATE_BATCH``, registers an observing hook on layer 1's MLP, or (``wrap``) puts
+    a module carrying such a hook around the MLP's activation."""
+
+    def __init__(self, wrap: bool = False) -> None:
+        super().__init__(lambda: build_model("llama"))
+        self.wrap = wrap
+        self.calls = 0
+        self.seen: list[Tensor] = []
+
+    def _observe(self, module: nn.Module, args: Any, output: Tensor) -> None:
+        self.calls += 1
+        self.seen.append(output.detach().clone())
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx != LATE_BATCH:
+            return
+        mlp = self.model.get_decoder().layers[HOOKED].mlp
+        if self.wrap:
+            probe = _Probe(mlp.act_fn)
+            probe.register_forward_hook(self._observe)
+            mlp.act_fn = probe
+        else:
+            mlp.register_forward_hook(self._observe)
+
+
+class _Probe(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)
+
+
+def _fit_late(strategy: str, wrap: bool) -> tuple[_Late, RunResult]:
+    module = _Late(wrap)
+    return module, fit(module, strategy, max_steps=2)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["hook", "module"])
+def test_a_hook_or_module_added_after_the_first_step_fires_once_and_is_exact(
+    wrap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listings = []
+    listed = hooks._InnerModules.__init__
+    monkeypatch.setattr(
+        hooks._InnerModules, "__init__", lambda self, layer: listings.append(layer) or listed(self, layer)
+    )
+    resident, expected = _fit_late("auto", wrap)
+    blockwise, run = _fit_late("blockwise", wrap)
+    assert_equal_runs(expected, run)
+    assert blockwise.calls == resident.calls == 2  # once per micro-batch since it was added
+    assert all(torch.equal(a, b) for a, b in zip(resident.seen, blockwise.seen, strict=True))
+    # Each layer listed once, and the changed one again after its change (the list is kept, not walked per pass).
+    layers = len(blockwise.model.get_decoder().layers)
+    assert len({id(layer) for layer in listings}) == layers and len(listings) == layers + wrap
+
+
+def test_control_a_list_of_the_hooked_modules_misses_a_later_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache of the modules that had hooks when first listed (none here) leaves the late hook to fire again."""
+    first: dict[int, list[nn.Module]] = {}
+    listing = hooks._inner_modules
+
+    def hooked_when_first_listed(layer: nn.Module) -> tuple[Any, list[nn.Module]]:
+        listed, modules = listing(layer)
+        return listed, first.setdefault(id(layer), [m for m in modules if m._forward_hooks])
+
+    monkeypatch.setattr(hooks, "_inner_modules", hooked_when_first_listed)
+    blockwise, _ = _fit_late("blockwise", wrap=False)
+    assert blockwise.calls == 4  # the forward and the recompute of 2 micro-batches
+
+
+def test_control_a_list_blind_to_the_layers_tree_misses_an_added_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hooks._InnerModules, "alive", lambda self: [ref() for ref, _ in self.tree[1:]])
+    blockwise, _ = _fit_late("blockwise", wrap=True)
+    assert blockwise.calls == 4
