@@ -27,7 +27,7 @@ from tests.helpers.models import CausalLMModule, assert_equal_runs, build_model,
 from tests.helpers.pl_models import PlCausalLMModule, pl_fit, pl_trainer
 
 PACKAGE = Path(lightning_blockwise.__file__).parent
-NEUTRAL = {"MisconfigurationException", "rank_zero_info", "rank_zero_warn", "rank_zero_only"}
+NEUTRAL = {"MisconfigurationException", "rank_zero_debug", "rank_zero_info", "rank_zero_warn", "rank_zero_only"}
 
 
 def _twinned(sources: dict[str, str]) -> set[str]:
