@@ -314,7 +314,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
         trainer = self.lightning_module.trainer
         # NOTE [ The first batch read ahead ] in step_tokens.py.
         tokens = first_tokens(self.budget_tokens, trainer, fitting=trainer.state.fn == TrainerFn.FITTING)
-        plan = self._planner.first_plan(tokens.count, tokens.source)
+        plan = self._planner.first_plan(tokens.count, tokens.source, tokens.per_rank)
         # Before the streamer binds resident blocks to the device: the fingerprint reads the host copy.
         self._checkpoints.base = FrozenBase(
             self.lightning_module, self._stack.model, self._host_copy.layouts, self._host_copy.arena.slabs

@@ -80,23 +80,24 @@ class StepPlanner:
         self._replans = 0
         self._unsaid: str | None = None
 
-    def first_plan(self, tokens: int, source: str = "") -> StepPlan:
+    def first_plan(self, tokens: int, source: str = "", per_rank: bool = False) -> StepPlan:
         """The plan for micro-batches of up to ``tokens`` tokens, made the run's.
 
         Args:
             tokens: Tokens per micro-batch.
             source: Where the count came from and how to plan for another
                 (:attr:`~.step_tokens.PlannedTokens.source`), said in a refusal.
+            per_rank: The count is this rank's own (its first batch): the ranks plan for the most of theirs.
 
         Raises:
             MisconfigurationException: If the step does not fit the budget even with every block streamed.
         """
-        # Every rank plans for the same count (NOTE [ Where layer inputs wait ] in step_budget.py): a first batch read
-        # ahead is each rank's own.
-        agreed_tokens = agreed(tokens, "max", self.device, self.group)
-        if agreed_tokens != tokens:
-            source = f"{source} The most of any rank's: {agreed_tokens}.".strip()
-        self.plan = self._plan_for(agreed_tokens, source)
+        if per_rank:
+            # Every rank plans for the same count (NOTE [ Where layer inputs wait ] in step_budget.py).
+            most = agreed(tokens, "max", self.device, self.group)
+            source += f" The most of any rank's: {most}." if most != tokens else ""
+            tokens = most
+        self.plan = self._plan_for(tokens, source)
         return self.plan
 
     def attach(self, layers: StreamedStack) -> None:

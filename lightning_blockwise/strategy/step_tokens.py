@@ -36,6 +36,8 @@ class PlannedTokens:
 
     count: int
     source: str
+    #: The count is this rank's own (read from its first batch), not the run's: ranks agree on one before planning.
+    per_rank: bool = False
 
 
 def first_tokens(budget_tokens: int | None, trainer: Any, fitting: bool) -> PlannedTokens:
@@ -63,7 +65,7 @@ def first_tokens(budget_tokens: int | None, trainer: Any, fitting: bool) -> Plan
     if tokens is not None:
         shape = " x ".join(str(size) for size in _ids_shape(batch))
         why = f"the first training batch's ({shape}; a longer one plans again before its step)"
-        return PlannedTokens(tokens, said.format(tokens, why, "shorten the batches"))
+        return PlannedTokens(tokens, said.format(tokens, why, "shorten the batches"), per_rank=True)
     unread = unread or "it holds no integer tensor of token ids"
     why = (
         f"the default: neither `budget_tokens` nor the data module's `max_length` and `batch_size` say, and the first"

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -21,8 +22,10 @@ from torch.utils.data import DataLoader
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy import step_tokens
 from lightning_blockwise.strategy.step_budget import StepBudget
+from lightning_blockwise.strategy.step_planner import StepPlanner
 from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, first_batch
 from tests.helpers.models import CausalLMModule, build_model, padded_batches, trainer
+from tests.strategy.made_up import made_up_budget
 
 #: The rows' tokens: 2 rows of 12 per batch, far below the 2048 planned for without a count.
 ROWS, SEQ = 2, 12
@@ -191,3 +194,22 @@ def test_an_iterable_dataset_is_not_read_ahead() -> None:
     pl.seed_everything(0, verbose=False)
     trainer(BlockwiseStrategy(), accumulate_grad_batches=1).fit(module, DataLoader(_Stream(), batch_size=ROWS))
     assert seen == ["an iterable dataset, which reading ahead could consume"] and len(module.seen) == 4
+
+
+def test_ranks_plan_for_the_most_of_their_first_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first batch is each rank's own: the ranks agree on the most before planning (one all-reduce, MAX); a count
+    every rank shares (declared, `budget_tokens`, the default) needs none (control)."""
+    ops: list[Any] = []
+
+    def all_reduce(tensor: Tensor, op: Any, group: Any = None) -> None:
+        ops.append(op)
+        tensor.copy_(torch.maximum(tensor, torch.full_like(tensor, 40)))  # the other rank's first batch: 40 tokens
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    planner = StepPlanner(made_up_budget(), "`BlockwiseStrategy()`")
+    assert planner.first_plan(12, per_rank=True).tokens == 40 and ops == [torch.distributed.ReduceOp.MAX]
+    ops.clear()
+    assert planner.first_plan(12).tokens == 12 and ops == []
