@@ -58,12 +58,17 @@ T = TypeVar("T")
 # before any strategy runs: there the first process of the host to get there owns it.
 #
 # NOTE [ A resume on three ranks or more ]
-# Found by tests/distributed/test_nodes.py (an xfail there): a 4-rank run resumed from its epoch checkpoint trains
-# its first step on the uninterrupted run's weights, Adam state, data and random numbers (its losses are equal), but
-# the reduced gradients differ in the last bits. The likely cause, not yet proven: with 3 ranks or more a sum's order
-# depends on where a gradient sits in DDP's buckets, and DDP's first iteration after construction reduces one bucket
-# in parameter order, later ones buckets rebuilt in the order gradients became ready; a resume builds a new wrapper.
-# With 2 ranks a sum of two is the same either way, and a 2-rank resume is exact (test_data_parallel.py).
+# A run of 3 ranks or more resumed from a checkpoint is DDP's resumed run, not the uninterrupted run, to the last bit.
+# tests/distributed/test_nodes.py resumes a 4-rank run after its first epoch under `strategy="ddp"` (each rank's
+# RNG states put back) and under this strategy: the two are `torch.equal` on every rank; both train the first step
+# on the uninterrupted run's losses, and both reduce other sums (measured: every adapter gradient, 3201 of 8192
+# elements, by at most 3.7e-9, 1.4e-7 of the largest gradient). The cause is DDP's: the first iteration after a wrapper is built reduces every gradient
+# in one bucket in parameter order (torch's `_BucketCapacityConfig.compute_bucket_size_limits`), later ones in
+# buckets rebuilt in the order the gradients became ready, and a resume builds a new wrapper. The per-rank
+# gradients the buckets hold are equal (recorded); where an element sits in the buffer decides in which order the
+# all-reduce adds the ranks' values (gloo's ring; the test's `sums` arm), and over 3 ranks or more float addition
+# is not associative. No DDP bucket setting avoids it (a tiny `bucket_cap_mb` still makes one first bucket); with 2
+# ranks `a + b == b + a`, and a 2-rank resume is exact (test_data_parallel.py).
 #
 # DDP gets only the trainable parameters: every frozen parameter and every buffer is in its
 # `_ddp_params_and_buffers_to_ignore`. Otherwise it would refuse parameters on two device types (the frozen decoder
