@@ -120,7 +120,9 @@ class _Head(nn.Module):
         super().__init__()
         self.config = config
         self.hidden = nn.Parameter(torch.randn(1, tokens, config.hidden_size, device=device, dtype=torch.bfloat16))
+        # Frozen, as a LoRA run's head is: its backward computes the input's gradient only.
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
+        self.head.requires_grad_(False)
 
     def get_decoder(self) -> nn.Module:
         return _Decoder(self.hidden)
