@@ -27,10 +27,13 @@ from lightning_blockwise.cli.commands import (
     EXPORT_COMMAND,
     GENERATE_COMMAND,
     PLAN_COMMAND,
+    VERBOSE_COMMANDS,
+    VERBOSE_FLAG,
     VERSIONS_COMMAND,
     overview,
 )
 from lightning_blockwise.cli.export_command import export_command
+from lightning_blockwise.compat.quiet_logs import be_verbose
 from lightning_blockwise.compat.versions import versions_command
 
 if TYPE_CHECKING:
@@ -66,6 +69,12 @@ def main(args: Any = None) -> None:
     """
     argv = sys.argv[1:] if args is None else args
     command = argv[0] if isinstance(argv, list) and argv else None
+    if command in VERBOSE_COMMANDS and VERBOSE_FLAG in argv:
+        # NOTE [ --verbose on the Trainer's commands ]: ours on `fit` and `predict`, whose Lightning methods take no
+        # `verbose`; `validate` and `test` keep Lightning's own `--verbose` (print the metrics), and
+        # LIGHTNING_BLOCKWISE_VERBOSE=1 serves every command. The variable reaches the ranks a launcher starts.
+        argv = args = [arg for arg in argv if arg != VERBOSE_FLAG]
+        be_verbose()
     # Return nothing: a console script's return value becomes the process's exit status.
     if command == PLAN_COMMAND:
         from lightning_blockwise.cli.plan_command import plan

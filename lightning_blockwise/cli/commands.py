@@ -17,11 +17,15 @@ EXPORT_COMMAND = "export"
 GENERATE_COMMAND = "generate"
 #: ``LightningCLI.subcommands()``, each with what it does (tests/test_startup.py checks the names against Lightning's).
 TRAINER_COMMANDS = {
-    "fit": "Train the model (`Trainer.fit`).",
+    "fit": "Train the model (`Trainer.fit`); `--verbose` shows every message.",
     "validate": "One evaluation epoch over the validation set (`Trainer.validate`).",
     "test": "One evaluation epoch over the test set (`Trainer.test`).",
     "predict": "Run the model over the predict data (`Trainer.predict`).",
 }
+#: The Trainer's commands that take our ``--verbose`` (every message, as ``LIGHTNING_BLOCKWISE_VERBOSE=1``);
+#: ``validate`` and ``test`` have Lightning's own (NOTE [ --verbose on the Trainer's commands ] in cli/__init__.py).
+VERBOSE_COMMANDS = ("fit", "predict")
+VERBOSE_FLAG = "--verbose"
 #: Our commands, each with what it does.
 OWN_COMMANDS = {
     PLAN_COMMAND: "Predict a model's host RAM and VRAM from its config, no weights read.",
@@ -65,6 +69,8 @@ __all__ = [
     "OWN_COMMANDS",
     "PLAN_COMMAND",
     "TRAINER_COMMANDS",
+    "VERBOSE_COMMANDS",
+    "VERBOSE_FLAG",
     "VERSIONS_COMMAND",
     "overview",
 ]

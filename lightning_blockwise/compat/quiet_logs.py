@@ -50,6 +50,12 @@ def quiet_outside_libraries() -> None:
         logger.addFilter(_FILTER)
 
 
+def be_verbose() -> None:
+    """Every message back, in this process and those it starts (``--verbose``): set the variable, drop the filters."""
+    os.environ[VERBOSE_ENV] = "1"
+    quiet_outside_libraries()
+
+
 quiet_outside_libraries()
 
-__all__ = ["VERBOSE_ENV", "is_verbose", "quiet_outside_libraries"]
+__all__ = ["VERBOSE_ENV", "be_verbose", "is_verbose", "quiet_outside_libraries"]

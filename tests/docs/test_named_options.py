@@ -33,6 +33,7 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 import lightning_blockwise
 import lightning_blockwise.callbacks as blockwise_callbacks
+from lightning_blockwise.cli.commands import VERBOSE_COMMANDS, VERBOSE_FLAG
 from lightning_blockwise.cli.export_command import _export_parser
 from lightning_blockwise.cli.generate_command import _generate_parser
 from lightning_blockwise.cli.plan_arguments import plan_parser
@@ -212,7 +213,8 @@ def problem(item: Named) -> str | None:
     kind, _, name = item.command.partition(":")
     if kind == "own":
         if name in TRAINER_COMMANDS:
-            return None if _cli_option_exists(option) else f"`lightning-blockwise {name}` takes no `{option}`"
+            ours = name in VERBOSE_COMMANDS and option == VERBOSE_FLAG  # taken out before LightningCLI parses
+            return None if ours or _cli_option_exists(option) else f"`lightning-blockwise {name}` takes no `{option}`"
         if name not in OWN_COMMANDS:
             return None  # the command itself is reported
         return None if option in OWN_COMMANDS[name] else f"`lightning-blockwise {name}` takes no `{option}`"
