@@ -238,40 +238,23 @@ print("registered:", StrategyRegistry["blockwise"]["strategy"].__module__)
 """
 
 
-_THEN = {"lazy": "", "control-eager": "lightning_namespaces.load_twins().BlockwiseStrategy"}
-
-
-@pytest.fixture(scope="module")
-def fresh_processes() -> dict[str, subprocess.CompletedProcess[str]]:
-    """`_FRESH_PROCESS` with each `_THEN`, the processes run at once (each is one import of ~10 s, and CI has two
-    cores while the test process waits)."""
-    processes = {
-        name: subprocess.Popen(
-            [sys.executable, "-c", _FRESH_PROCESS.format(then=then)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, then in _THEN.items()
-    }
-    done = {}
-    for name, process in processes.items():
-        stdout, stderr = process.communicate(timeout=300)
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-    return done
-
-
-@pytest.mark.parametrize("then", list(_THEN))
-def test_the_twins_wait_for_the_users_import_of_pytorch_lightning(fresh_processes: dict, then: str) -> None:
+@pytest.mark.parametrize(
+    "then",
+    ["", "lightning_namespaces.load_twins().BlockwiseStrategy"],
+    ids=["lazy", "control-eager"],
+)
+def test_the_twins_wait_for_the_users_import_of_pytorch_lightning(then: str) -> None:
     """NOTE [ The twins load when pytorch_lightning does ]: `import lightning_blockwise` and `lightning.pytorch`
     leave Lightning's rank-zero logger `lightning.pytorch`'s; `import pytorch_lightning` afterwards still registers
     "blockwise".
     Control: loading the twins at once (what the import did before) hands the logger to `pytorch_lightning`."""
-    done = fresh_processes[then]
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS.format(then=then)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[-1] == "registered: lightning_blockwise.pl.strategy.blockwise"
-    if _THEN[then]:
+    if then:
         assert lines[-2] == "imported: True logger: pytorch_lightning.utilities.rank_zero"
     else:
         assert lines[-2] == "imported: False logger: lightning.pytorch.utilities.rank_zero"
