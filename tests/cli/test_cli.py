@@ -8,6 +8,7 @@ import importlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -101,19 +102,6 @@ def test_console_script_points_at_main() -> None:
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-blockwise"]
     assert script.value == "lightning_blockwise.cli:main"
     assert script.load() is main
-
-
-def test_python_dash_m_runs_the_cli() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_blockwise", "fit", "--config", str(DEMO_CONFIG), "--print_config"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(result.stdout)["trainer"]["strategy"]["class_path"] == "lightning_blockwise.BlockwiseStrategy"
 
 
 @pytest.fixture
@@ -307,3 +295,21 @@ def test_a_bad_ckpt_path_file_is_refused_before_the_model_is_made(
     with pytest.raises(MisconfigurationException, match=re.escape(f"`ckpt_path` {str(path)!r}") + ".*" + problem):
         build_cli(["fit", "--config", str(DEMO_CONFIG), *_into(tmp_path), f"--ckpt_path={path}"])
     assert built == [], "refused while parsing, before the model (and its base) is made"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dash_m() -> Iterator[subprocess.Popen[str]]:
+    """`python -m lightning_blockwise fit --print_config`, started with this file's first test and read by its last
+    (autouse): its ~10 s of imports run on CI's second core while the file's other tests run in this process."""
+    command = [sys.executable, "-m", "lightning_blockwise", "fit", "--config", str(DEMO_CONFIG), "--print_config"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    yield process
+    if process.poll() is None:  # the test that reads it was not selected, or failed before
+        process.kill()
+    process.communicate()
+
+
+def test_python_dash_m_runs_the_cli(dash_m: subprocess.Popen[str]) -> None:
+    stdout, stderr = dash_m.communicate(timeout=300)
+    assert dash_m.returncode == 0, stderr
+    assert yaml.safe_load(stdout)["trainer"]["strategy"]["class_path"] == "lightning_blockwise.BlockwiseStrategy"
