@@ -85,12 +85,13 @@ def four(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def two(checkpoint: Path, four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The four-process run's first checkpoint resumed on one node of two processes (started as torchrun would),
-    the global batch kept (4 micro-batches per step instead of 2): blockwise, `ddp`, and blockwise unreduced.
+    the global batch kept (4 micro-batches per step instead of 2): blockwise, `ddp` (resumed as the strategy resumes,
+    and as Lightning alone does), and blockwise unreduced.
     Rank 0's output is kept in ``output.txt``."""
     out = tmp_path_factory.mktemp("two")
     worker = [sys.executable, "-m", "tests.helpers.nodes_worker", str(out), "--checkpoint", str(checkpoint)]
     worker += ["--nodes", "1", "--devices", "2", "--accumulate", "4", "--resume-from", str(four)]
-    worker += ["--arms", "resumed_here", "ddp_resumed_here", "local_resumed_here"]
+    worker += ["--arms", "resumed_here", "ddp_resumed_here", "ddp_plain_resumed_here", "local_resumed_here"]
     port = str(_free_port())
     ranks = [
         subprocess.Popen(
@@ -208,8 +209,8 @@ def test_a_four_process_checkpoint_resumes_on_two(four: Path, two: Path) -> None
     """On one node of two processes, the global batch stated (4 micro-batches a step): each optimizer step sees the
     sequences it saw on four processes (the `DistributedSampler`'s order), DDP sums the two ranks' gradients, and
     blockwise trains `torch.equal` to `strategy="ddp"` resumed the same way (losses, gradients, adapters, Adam state;
-    DDP's data order and random-number states put back as the strategy puts them: Lightning alone drew the first
-    epoch's order again, `_ResumeAsTheStrategy` in tests/helpers/nodes_worker.py).
+    DDP's data order and random-number states put back as the strategy puts them, `_ResumeAsTheStrategy` in
+    tests/helpers/nodes_worker.py: resumed by Lightning alone, `ddp` trains the first epoch's sequences again).
 
     It is not the four-process run continued (two ranks add up the micro-batches in another order, and four ranks'
     random streams cannot become two), and the strategy says so as the run resumes, naming the fix: resume on as many
@@ -230,6 +231,10 @@ def test_a_four_process_checkpoint_resumes_on_two(four: Path, two: Path) -> None
     on_four = [Counter(h for r in written for h in r["batches"][4 + 2 * step : 6 + 2 * step]) for step in range(2)]
     on_two = [Counter(h for r in records for h in r["batches"][4 * step : 4 + 4 * step]) for step in range(2)]
     assert on_four == on_two and all(sum(step.values()) == 8 for step in on_two)
+    _, plain = _records(two, "ddp_plain_resumed_here", 2)
+    on_four_first = [Counter(h for r in written for h in r["batches"][2 * step : 2 + 2 * step]) for step in range(2)]
+    on_two_plain = [Counter(h for r in plain for h in r["batches"][4 * step : 4 + 4 * step]) for step in range(2)]
+    assert on_two_plain == on_four_first != on_four, "Lightning alone trains the first epoch's sequences again"
     said = "written by 4 process(es) and resumes on 2"
     assert said in (two / "output.txt").read_text() and "Resume with 4 process(es)" in (two / "output.txt").read_text()
     assert "written by 4 process(es)" not in (four / "output.txt").read_text()

@@ -10,9 +10,9 @@ Arms: ``ddp`` (``strategy="ddp"``), ``blockwise`` (checkpoints after each epoch)
 nothing: the control), ``resumed`` and ``resumed_without_rank_rng`` (from ``blockwise``'s first checkpoint; the
 second without each rank's RNG states, a control), ``ddp_resumed`` (``strategy="ddp"`` from that checkpoint, each
 rank's RNG states and data order put back as the strategy puts them: the reference for ``resumed``), and, on a
-smaller launch, ``resumed_here``, ``ddp_resumed_here`` and ``local_resumed_here`` (the same checkpoint on another
-number of processes, with the global batch kept by ``--accumulate`` and no dropout: 4 ranks' random streams cannot
-become 2).
+smaller launch, ``resumed_here``, ``ddp_resumed_here``, ``ddp_plain_resumed_here`` (as Lightning alone resumes)
+and ``local_resumed_here`` (the same checkpoint on another number of processes, with the global batch kept by
+``--accumulate`` and no dropout: 4 ranks' random streams cannot become 2).
 The arm ``sums`` trains nothing: it all-reduces a buffer in two layouts (``sums/rank<R>.json``).
 """
 
@@ -197,7 +197,7 @@ def _build(checkpoint: Path, without_dropout: bool) -> torch.nn.Module:
 
 def _resume_path(arm: str, args: argparse.Namespace) -> Path | None:
     """``blockwise``'s first checkpoint for the arms that resume (a copy without the ranks' RNG for the control)."""
-    if not arm.startswith(("resumed", "local_resumed", "ddp_resumed")):
+    if not arm.startswith(("resumed", "local_resumed", "ddp_resumed", "ddp_plain_resumed")):
         return None
     source = args.resume_from or args.out
     [first] = sorted((source / "blockwise" / "checkpoints").glob("epoch=0*.ckpt"))
