@@ -15,11 +15,11 @@ from torch import nn
 # calls `hook.pre_forward`, the old forward and `hook.post_forward`. Inside a rematerialized decoder layer
 # such a forward runs in the no-grad forward and again in the recompute: the hook fires twice per step
 # (torch's hooks are fired once there: NOTE [ Forward hooks inside a rematerialized layer ] in
-# replay/hooks.py). On the decoder layer itself the strategy's wrapper takes the instance's `forward` and
-# calls the class's, so the hook never fires, and removing the wrapper at teardown would drop it for good.
+# replay/hooks.py), on the decoder layer itself too since the wrapper runs a forward set on the instance
+# (NOTE [ A forward set on the layer ] in replay/remat.py; before that, the class's, so it never fired).
 # Measured on the CPU (accelerate 1.15): an observing hook on layer 1 saw 3 outputs in 3 steps under
-# `strategy="auto"` and none under the strategy; one on layer 2's MLP saw 3 and 6. The strategy refuses
-# them at setup; the same observer as a torch forward hook sees what resident training shows.
+# `strategy="auto"` and none under the strategy (before that note); one on layer 2's MLP saw 3 and 6. The
+# strategy refuses them at setup; the same observer as a torch forward hook sees what resident training shows.
 
 
 def accelerate_hooked_modules(layers: Sequence[nn.Module]) -> Iterator[tuple[str, str]]:

@@ -210,8 +210,8 @@ def refuse_accelerate_hooks(layers: Sequence[nn.Module]) -> None:
         raise MisconfigurationException(
             f"BlockwiseStrategy: {len(hooked)} modules in the decoder layers carry an accelerate hook (e.g. `{hook}`"
             f" on `{name}`, added with `accelerate.hooks.add_hook_to_module`), which replaces the module's `forward`:"
-            " a rematerialized decoder layer runs its modules twice per step and calls its own class's forward, so"
-            " the hook would fire twice, or never. Observe with a torch forward hook"
+            " a rematerialized decoder layer runs its modules twice per step (the forward and the recompute), so the"
+            " hook would fire twice. Observe with a torch forward hook"
             " (`module.register_forward_hook(...)`), which fires once per step as in resident training, remove the"
             ' hook (`accelerate.hooks.remove_hook_from_module(module)`), or train with `strategy="auto"`.'
         )

@@ -4,7 +4,7 @@ accelerate's ``add_hook_to_module`` (issue 42, item 5).
 The observing client is fitted under ``strategy="auto"`` and ``strategy="blockwise"`` from one seed and compared in
 every loss, gradient, trained tensor, optimizer state, logged metric and file name (tests/zoo/harness.py), and in
 what each observer produced. accelerate's hooks replace a module's ``forward``, which a rematerialized layer runs
-twice or not at all (NOTE [ accelerate's hooks replace forward ] in compat/accelerate.py): refused, with the fix.
+twice per step (NOTE [ accelerate's hooks replace forward ] in compat/accelerate.py): refused, with the fix.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class _Observe(ModelHook):
 
 
 def test_accelerate_hooks_are_refused_before_any_step(zoo_base: Path, tmp_path: Path) -> None:
-    """accelerate's hook would fire twice per step inside a layer and never on the layer itself: refused, the fix
+    """accelerate's hooks would fire twice per step, on the layer and inside it: refused, the fix
     named; control: under `strategy="auto"` the same hooks fire once per step."""
 
     def make(outputs: list[list[Tensor]]) -> PlainLoRA:
@@ -118,3 +118,22 @@ def test_accelerate_hooks_are_refused_before_any_step(zoo_base: Path, tmp_path: 
     auto_outputs: list[list[Tensor]] = []
     zoo_fit(lambda: make(auto_outputs), "auto", tmp_path / "auto")
     assert [len(outputs) for outputs in auto_outputs] == [3, 3]
+
+
+def test_control_without_the_refusal_accelerate_hooks_fire_twice_a_step(
+    zoo_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why the refusal: let through, each hook (on the layer, and on the MLP inside it) fires in the forward and again
+    in the recompute, 6 times in 3 steps where resident training fires 3."""
+    monkeypatch.setattr("lightning_blockwise.strategy.blockwise.refuse_accelerate_hooks", lambda layers: None)
+    outputs: list[list[Tensor]] = []
+
+    def make() -> PlainLoRA:
+        module = PlainLoRA(str(zoo_base))
+        for watched in _observed(module):
+            outputs.append([])
+            add_hook_to_module(watched, _Observe(outputs[-1]))
+        return module
+
+    zoo_fit(make, "blockwise", tmp_path / "blockwise")
+    assert [len(seen) for seen in outputs] == [6, 6]
