@@ -103,7 +103,10 @@ def first_batch(trainer: Any) -> tuple[Any, str | None]:
         if isinstance(dataset, IterableDataset):
             return None, "an iterable dataset, which reading ahead could consume"
         sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        order = copy.deepcopy(sampler, memo={id(dataset): dataset})
+        try:
+            order = copy.deepcopy(sampler, memo={id(dataset): dataset})
+        except (TypeError, AttributeError, RuntimeError, copy.Error) as error:  # e.g. a sampler holding a lock
+            return None, f"its sampler ({type(sampler).__name__}) cannot be copied: {error}"
         indices = next(iter(order), None)
         if indices is None:
             return None, "the training data is empty"

@@ -213,3 +213,31 @@ def test_ranks_plan_for_the_most_of_their_first_batches(monkeypatch: pytest.Monk
     assert planner.first_plan(12, per_rank=True).tokens == 40 and ops == [torch.distributed.ReduceOp.MAX]
     ops.clear()
     assert planner.first_plan(12).tokens == 12 and ops == []
+
+
+def test_a_sampler_that_cannot_be_copied_is_not_read_ahead() -> None:
+    """A user's sampler holding a lock (deepcopy refuses it): the default and the reason, and the run trains."""
+    import threading
+
+    class _LockedSampler(torch.utils.data.Sampler[int]):
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(8))
+
+        def __len__(self) -> int:
+            return 8
+
+    seen: list[str | None] = []
+
+    class _Peek(_SeenBatches):
+        def on_fit_start(self) -> None:
+            seen.append(first_batch(self.trainer)[1])
+
+    module = _Peek()
+    pl.seed_everything(0, verbose=False)
+    data = DataLoader(_examples(), batch_size=ROWS, sampler=_LockedSampler())
+    trainer(BlockwiseStrategy(), accumulate_grad_batches=1).fit(module, data)
+    assert len(seen) == 1 and seen[0].startswith("its sampler (BatchSampler) cannot be copied")
+    assert len(module.seen) == 4
