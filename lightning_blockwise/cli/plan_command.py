@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, modelled_kernels, plan_parser
-from lightning_blockwise.cli.plan_nodes import add_nodes_argument, check_nodes, nodes_fields
+from lightning_blockwise.cli.plan_nodes import add_nodes_argument, check_nodes, nodes_fields, throughput_fields
 from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES, shape_config
 
 
@@ -88,6 +88,7 @@ def plan(args: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"lightning-blockwise plan: {error}") from None
     if options.nodes * options.devices > 1:  # one GPU: no all-reduce, and the report as before
         report.update(nodes_fields(report, options.nodes))
+        report.update(throughput_fields(report, config, options.tflops, options.link_gbps))
     if options.json:
         print(json.dumps(report, indent=2))
     else:

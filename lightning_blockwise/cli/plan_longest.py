@@ -137,7 +137,7 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
         cost = StepCost(
             matmul_params=matmul_params(sizes),
             num_layers=sizes.num_layers,
-            attention_size=_attention_size(sizes.config),
+            attention_size=attention_size(sizes.config),
             arena_bytes=streamed,
             offloaded_bytes=offloaded,
             recomputed_params=_recomputed_params(sizes, advice),
@@ -187,22 +187,33 @@ def context_table(
 
 def matmul_params(sizes: ModelSizes) -> int:
     """Weights of the matmuls a token passes through: each decoder layer's linears (Llama-style) and the LM head."""
-    config = _text(sizes.config)
-    return sizes.num_layers * _layer_params(config) + config.vocab_size * config.hidden_size
+    return config_matmul_params(sizes.config, sizes.num_layers)
+
+
+def config_matmul_params(config: Any, num_layers: int) -> int:
+    """:func:`matmul_params` from a config and its decoder layers' count alone."""
+    config = _text(config)
+    return num_layers * _layer_params(config) + config.vocab_size * config.hidden_size
 
 
 def _layer_params(config: Any) -> int:
     """Weights of one decoder layer's linears (Llama-style): the attention's four and the MLP's three."""
     config = _text(config)
-    hidden, attention = config.hidden_size, _attention_size(config)
+    hidden, attention = config.hidden_size, attention_size(config)
     return 2 * hidden * attention + 2 * hidden * _kv_size(config) + 3 * hidden * config.intermediate_size
 
 
 def _recomputed_params(sizes: ModelSizes, advice: Recommendation) -> int:
+    return recomputed_params(
+        sizes.config, sizes.num_layers, bool(advice.mlp_tile_tokens), bool(advice.loss_chunk_tokens)
+    )
+
+
+def recomputed_params(config: Any, num_layers: int, mlp_tiled: bool, loss_chunked: bool) -> int:
     """Weights a step runs one forward more: the tiled MLPs' and, with the chunked loss, the LM head's."""
-    config = _text(sizes.config)
-    mlp = sizes.num_layers * 3 * config.hidden_size * config.intermediate_size if advice.mlp_tile_tokens else 0
-    head = config.vocab_size * config.hidden_size if advice.loss_chunk_tokens else 0
+    config = _text(config)
+    mlp = num_layers * 3 * config.hidden_size * config.intermediate_size if mlp_tiled else 0
+    head = config.vocab_size * config.hidden_size if loss_chunked else 0
     return mlp + head
 
 
@@ -211,7 +222,8 @@ def _text(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def _attention_size(config: Any) -> int:
+def attention_size(config: Any) -> int:
+    """Attention heads x head size: the width of Q (``StepCost.attention_size``)."""
     config = _text(config)
     heads = config.num_attention_heads
     return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -237,8 +249,11 @@ __all__ = [
     "TABLE_LENGTHS",
     "ContextFit",
     "Machine",
+    "attention_size",
+    "config_matmul_params",
     "context_fit",
     "context_table",
     "longest_context",
     "matmul_params",
+    "recomputed_params",
 ]
