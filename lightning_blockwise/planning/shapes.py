@@ -22,8 +22,8 @@ DOCUMENTED_SHAPES: dict[str, dict[str, int]] = {
 }  # fmt: skip
 
 #: What a family's configs share beyond the sizes: the Qwen2.5 configs' vocabulary and untied head; Llama 3.1's
-#: vocabulary, untied head, RoPE (theta 500000, the "llama3" scaling to 131072 positions) and norm epsilon, as
-#: meta-llama/Llama-3.1-405B's config.json states them.
+#: vocabulary and special tokens, untied head, RoPE (theta 500000, the "llama3" scaling to 131072 positions) and norm
+#: epsilon, as meta-llama/Llama-3.1-405B's config.json states them.
 _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(vocab_size=152064, tie_word_embeddings=False)),
     "llama3.1": (
@@ -31,6 +31,8 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         dict(
             vocab_size=128256,
             tie_word_embeddings=False,
+            bos_token_id=128000,
+            eos_token_id=128001,
             rms_norm_eps=1e-5,
             max_position_embeddings=131072,
             rope_scaling=dict(

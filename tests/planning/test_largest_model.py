@@ -42,7 +42,11 @@ def test_the_shape_is_the_published_config() -> None:
     sizes = (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads)
     assert (*sizes, config.num_key_value_heads, config.vocab_size) == (HIDDEN, INTERMEDIATE, LAYERS, HEADS, 8, VOCAB)
     assert config.rope_parameters["rope_theta"] == 500000.0 and config.rope_parameters["rope_type"] == "llama3"
-    assert config.head_dim == 128 and config.rms_norm_eps == 1e-5
+    assert (
+        config.head_dim == 128
+        and config.rms_norm_eps == 1e-5
+        and (config.bos_token_id, config.eos_token_id) == (128000, 128001)
+    )
     assert type(shape_config("72b")).__name__ == "Qwen2Config"  # control: the other shapes keep their family
 
 
