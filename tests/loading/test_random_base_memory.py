@@ -2,10 +2,11 @@
 the model in bf16, measured as the process's peak RSS at a scaled-down Llama-3.1-405B layer pattern.
 
 The pattern: seven linears per layer, q/o square, k/v a sixteenth of the width (128 heads over 8 KV heads), the
-MLP 3.25 times the width, an untied head. Each arm runs in a fresh process with ``MALLOC_MMAP_THRESHOLD_`` low, so
-that every tensor's buffer is its own mapping and RSS is what the process holds: glibc otherwise keeps freed heap
-for reuse, and the high-water mark would be the allocator's, not the build's. The peak is ``VmHWM`` after
-``clear_refs`` reset it to the RSS before the build, once the libraries are loaded (a one-layer build first).
+MLP 3.25 times the width, an untied head. The arms run in turn in a fresh process with ``MALLOC_MMAP_THRESHOLD_``
+low, so that every tensor's buffer is its own mapping and RSS is what the process holds: glibc otherwise keeps
+freed heap for reuse, and the high-water mark would be the allocator's, not the build's. The peak is ``VmHWM`` after
+``clear_refs`` reset it to the RSS before each build (the previous arm's memory given back to the system), once
+the libraries are loaded (a one-layer build first).
 """
 
 from __future__ import annotations
@@ -44,43 +45,38 @@ def config(layers, hidden):
         num_attention_heads=16, num_key_value_heads=1, tie_word_embeddings=False,
     )
 
-arm, layers, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def peak(arm, layers, hidden):
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # VmHWM back to VmRSS
+    before = status("VmRSS")
+    if arm == "blockwise":
+        model = random_blockwise(config(layers, hidden), device="cpu", share=False, progress=False)
+        arena = host_copy_of(model).arena.nbytes
+    else:  # the control: the model whole in bf16 first, as quantizing a built model would need
+        model = transformers.AutoModelForCausalLM.from_config(config(layers, hidden), dtype=torch.bfloat16)
+        arena = 0
+    return {"peak": status("VmHWM") - before, "arena": arena}
+
 random_blockwise(config(1, 256), device="cpu", share=False, progress=False)  # every library loaded
-gc.collect()
-with open("/proc/self/clear_refs", "w") as refs:
-    refs.write("5")  # VmHWM back to VmRSS
-before = status("VmRSS")
-if arm == "blockwise":
-    model = random_blockwise(config(layers, hidden), device="cpu", share=False, progress=False)
-    arena = host_copy_of(model).arena.nbytes
-else:  # the control: the model whole in bf16 first, as quantizing a built model would need
-    model = transformers.AutoModelForCausalLM.from_config(config(layers, hidden), dtype=torch.bfloat16)
-    arena = 0
-print(json.dumps({"peak": status("VmHWM") - before, "arena": arena}))
+hidden = int(sys.argv[1])
+arms = [(arm, int(layers)) for arm, layers in (a.split(":") for a in sys.argv[2:])]
+print(json.dumps([peak(arm, layers, hidden) for arm, layers in arms]))
 """
 
 
-def _peaks(*arms: tuple[str, int]) -> list[dict[str, int]]:
-    """Each ``(arm, layers)`` in a process of its own, side by side (each measures only itself)."""
+def _peaks(*arms: str) -> list[dict[str, int]]:
+    """Each ``ARM:LAYERS`` in turn in one fresh process, the peak reset before each (the last one's memory freed)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SCRIPT, arm, str(layers), str(HIDDEN)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for arm, layers in arms
-    ]  # fmt: skip
-    results = []
-    for run in runs:
-        out, err = run.communicate(timeout=600)
-        assert run.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    command = [sys.executable, "-c", _SCRIPT, str(HIDDEN), *arms]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset needs Linux's clear_refs")
 def test_the_build_holds_the_arena_and_one_linear_never_the_model_in_bf16() -> None:
-    few, many, whole_few, whole = _peaks(("blockwise", 2), ("blockwise", 8), ("whole", 2), ("whole", 8))
+    few, many, whole_few, whole = _peaks("blockwise:2", "blockwise:8", "whole:2", "whole:8")
     for built in (few, many):
         assert built["arena"] < LAYER_BF16 * 8 / 3  # NF4: under a third of bf16 (a quarter, plus the statistics)
         assert built["peak"] <= built["arena"] + LAYER_BF16 + QUANTIZE_TRANSIENT, built
