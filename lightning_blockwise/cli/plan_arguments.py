@@ -319,7 +319,7 @@ def _longest_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_LINK_GBPS,
         help=f"The host link's rate in GB/s (default: {DEFAULT_LINK_GBPS:g}, PCIe 4.0 x16; an H100's PCIe 5 link"
         " measured 54.5). Copies: the streamed blocks twice per step (three times with --recompute-every) and the"
-        " offloaded layer inputs out and back.",
+        " offloaded layer inputs out and back. With --devices N, each GPU's share of its host's link.",
     )
     parser.add_argument(
         "--recompute-every",
