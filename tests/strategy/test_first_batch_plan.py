@@ -7,6 +7,7 @@ loader, and the run draws, shuffles and trains exactly as it would have without 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
@@ -184,6 +185,12 @@ def test_an_iterable_dataset_is_not_read_ahead() -> None:
         def __iter__(self) -> Iterator[dict[str, Tensor]]:
             return iter(_examples())
 
+    why, trained = _why_not_read_ahead(DataLoader(_Stream(), batch_size=ROWS))
+    assert why == "an iterable dataset, which reading ahead could consume" and trained == 4
+
+
+def _why_not_read_ahead(data: DataLoader) -> tuple[str | None, int]:
+    """Fit 4 steps on ``data``: why the first batch was not read ahead (asked at fit start), and the batches trained."""
     seen: list[str | None] = []
 
     class _Peek(_SeenBatches):
@@ -192,8 +199,9 @@ def test_an_iterable_dataset_is_not_read_ahead() -> None:
 
     module = _Peek()
     pl.seed_everything(0, verbose=False)
-    trainer(BlockwiseStrategy(), accumulate_grad_batches=1).fit(module, DataLoader(_Stream(), batch_size=ROWS))
-    assert seen == ["an iterable dataset, which reading ahead could consume"] and len(module.seen) == 4
+    trainer(BlockwiseStrategy(), accumulate_grad_batches=1).fit(module, data)
+    (why,) = seen
+    return why, len(module.seen)
 
 
 def test_ranks_plan_for_the_most_of_their_first_batches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +225,6 @@ def test_ranks_plan_for_the_most_of_their_first_batches(monkeypatch: pytest.Monk
 
 def test_a_sampler_that_cannot_be_copied_is_not_read_ahead() -> None:
     """A user's sampler holding a lock (deepcopy refuses it): the default and the reason, and the run trains."""
-    import threading
 
     class _LockedSampler(torch.utils.data.Sampler[int]):
         def __init__(self) -> None:
@@ -229,15 +236,5 @@ def test_a_sampler_that_cannot_be_copied_is_not_read_ahead() -> None:
         def __len__(self) -> int:
             return 8
 
-    seen: list[str | None] = []
-
-    class _Peek(_SeenBatches):
-        def on_fit_start(self) -> None:
-            seen.append(first_batch(self.trainer)[1])
-
-    module = _Peek()
-    pl.seed_everything(0, verbose=False)
-    data = DataLoader(_examples(), batch_size=ROWS, sampler=_LockedSampler())
-    trainer(BlockwiseStrategy(), accumulate_grad_batches=1).fit(module, data)
-    assert len(seen) == 1 and seen[0].startswith("its sampler (BatchSampler) cannot be copied")
-    assert len(module.seen) == 4
+    why, trained = _why_not_read_ahead(DataLoader(_examples(), batch_size=ROWS, sampler=_LockedSampler()))
+    assert why is not None and why.startswith("its sampler (BatchSampler) cannot be copied") and trained == 4
