@@ -63,12 +63,13 @@ T = TypeVar("T")
 # RNG states put back) and under this strategy: the two are `torch.equal` on every rank; both train the first step
 # on the uninterrupted run's losses, and both reduce other sums (measured: every adapter gradient, 3201 of 8192
 # elements, by at most 3.7e-9, 1.4e-7 of the largest gradient). The cause is DDP's: the first iteration after a
-# wrapper is built reduces every gradient in one bucket in parameter order (torch's `_BucketCapacityConfig.compute_bucket_size_limits`), later ones in
-# buckets rebuilt in the order the gradients became ready, and a resume builds a new wrapper. The per-rank
-# gradients the buckets hold are equal (recorded); where an element sits in the buffer decides in which order the
-# all-reduce adds the ranks' values (gloo's ring; the test's `sums` arm), and over 3 ranks or more float addition
-# is not associative. No DDP bucket setting avoids it (a tiny `bucket_cap_mb` still makes one first bucket); with 2
-# ranks `a + b == b + a`, and a 2-rank resume is exact (test_data_parallel.py).
+# wrapper is built reduces every gradient in one bucket in parameter order (torch's
+# `_BucketCapacityConfig.compute_bucket_size_limits`), later ones in buckets rebuilt in the order the gradients
+# became ready, and a resume builds a new wrapper. The per-rank gradients the buckets hold are equal (recorded);
+# where an element sits in the buffer decides in which order the all-reduce adds the ranks' values (gloo's ring; the
+# test's `sums` arm), and over 3 ranks or more float addition is not associative. No DDP bucket setting avoids it (a
+# tiny `bucket_cap_mb` still makes one first bucket); with 2 ranks `a + b == b + a`, and a 2-rank resume is exact
+# (test_data_parallel.py).
 #
 # DDP gets only the trainable parameters: every frozen parameter and every buffer is in its
 # `_ddp_params_and_buffers_to_ignore`. Otherwise it would refuse parameters on two device types (the frozen decoder
