@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch import Tensor
 
 from lightning_blockwise import BlockwiseStrategy
@@ -28,22 +31,44 @@ def _growing_batches() -> list[dict[str, Tensor]]:
     return [padded_batches(1, seq=seq, seed=seq)[0] for seq in (6, 8, 10, 12)]
 
 
-def _records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
-    return [(record.levelno, record.getMessage()) for record in caplog.records if record.name.startswith("lightning")]
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelno, record.getMessage()))
 
 
-def _fit_growing(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
-    caplog.clear()
+@contextmanager
+def _strategy_records() -> Iterator[list[tuple[int, str]]]:
+    """What the strategy logs through Lightning's `rank_zero_*`, DEBUG included, kept at the logger they write to.
+
+    That logger is the last Lightning namespace's to be imported (`pytorch_lightning` renames it, as an earlier test in
+    the same process may have), and Lightning's own may not propagate to pytest's `caplog`: a handler on it sees all.
+    """
+    log = rank_zero_module.log
+    kept, level = _Kept(), log.level
+    log.addHandler(kept)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield kept.records
+    finally:
+        log.removeHandler(kept)
+        log.setLevel(level)
+
+
+def _fit_growing() -> list[tuple[int, str]]:
     # Lightning's logger shows INFO: DEBUG is recorded here to count what went there.
-    with caplog.at_level(logging.DEBUG, logger="lightning.pytorch"):
+    with _strategy_records() as records:
         fit(CausalLMModule(lambda: build_model("llama")), "blockwise", _growing_batches(), max_steps=4,
             accumulate_grad_batches=1)  # fmt: skip
-    return _records(caplog)
+    return records
 
 
-def test_replans_show_the_first_and_the_largest(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+def test_replans_show_the_first_and_the_largest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
-    records = _fit_growing(caplog)
+    records = _fit_growing()
     replans = [(level, message) for level, message in records if _REPLAN.match(message)]
     assert [level for level, _ in replans] == [logging.INFO] + [logging.DEBUG] * 3
     assert replans[0][1].startswith("BlockwiseStrategy: masked attention over rows of 6 tokens")
@@ -53,21 +78,20 @@ def test_replans_show_the_first_and_the_largest(monkeypatch: pytest.MonkeyPatch,
     assert "at 24 tokens per micro-batch" in largest[0] and largest[0].endswith(replans[-1][1].split(": ", 1)[1])
 
 
-def test_control_verbose_shows_every_replan(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+def test_control_verbose_shows_every_replan(monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: the same run with LIGHTNING_BLOCKWISE_VERBOSE=1 shows all four at INFO, and no summary."""
     monkeypatch.setenv(VERBOSE_ENV, "1")
-    records = _fit_growing(caplog)
+    records = _fit_growing()
     replans = [level for level, message in records if _REPLAN.match(message)]
     assert replans == [logging.INFO] * 4
     assert not [message for _, message in records if message.startswith(_LARGEST)]
 
 
-def test_a_single_replan_needs_no_summary(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+def test_a_single_replan_needs_no_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of one length: the masked rows re-plan once, shown; nothing held back, so nothing said at the end."""
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
-    with caplog.at_level(logging.DEBUG, logger="lightning.pytorch"):
+    with _strategy_records() as records:
         fit(CausalLMModule(lambda: build_model("llama")), "blockwise", padded_batches(4), max_steps=2)
-    records = _records(caplog)
     assert [level for level, message in records if _REPLAN.match(message)] == [logging.INFO]
     assert not [message for _, message in records if message.startswith(_LARGEST)]
 
@@ -113,10 +137,10 @@ def test_no_size_prints_as_zero(nbytes: int, gb: str, gb3: str, gib: str, mib: s
     )
 
 
-def test_the_setup_line_of_a_tiny_model_names_its_sizes(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+def test_the_setup_line_of_a_tiny_model_names_its_sizes() -> None:
+    with _strategy_records() as records:
         fit(CausalLMModule(lambda: build_model("llama")), "blockwise", max_steps=1)
-    line = next(message for _, message in _records(caplog) if "host arena" in message)
+    line = next(message for _, message in records if "host arena" in message)
     assert not re.search(r"\b0\.0+ G", line), line
     assert re.search(r"host arena \d+\.\d{3} [kM]B \(\d+\.\d{3} [kM]B of tensors\)", line), line
     # The same line's larger sizes keep their unit.
