@@ -5,7 +5,6 @@ Text only: nothing is imported from the package, nothing is run.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.readme import ROOT, readme_commands
+
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, ROOT / "CHANGELOG.md", *DOCS]
@@ -75,9 +75,6 @@ def test_ci_runs_the_readme_setup_commands() -> None:
     for block in ("install", "setup"):
         assert f"done < <(python3 tools/readme_commands.py {block})" in ci_lines, f".ci/run does not run {block}"
     # Control: what the tool reads for `setup` is the block this file checks above.
-    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "tools" / "readme_commands.py")
-    readme_commands = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(readme_commands)
     assert readme_commands.commands(README.read_text(), readme_commands.SECTIONS["setup"]) == SETUP_COMMANDS
 
 

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "tools" / "readme_commands.py")
-readme_commands = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(readme_commands)
+from tests.helpers.readme import ROOT, readme_commands
 
 
 def test_the_readme_has_both_blocks_ci_runs() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import sys
@@ -21,11 +20,7 @@ from lightning_blockwise.demos.base_files import keep_base
 from lightning_blockwise.demos.tiny import build_base_model
 from lightning_blockwise.export.training_record import read_training_record
 from lightning_blockwise.loading.base_identity import base_identity
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "tools" / "readme_commands.py")
-readme_commands = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(readme_commands)
+from tests.helpers.readme import ROOT, readme_commands
 
 #: The demo's fit, shortened: four steps, validated at the fourth, so that `validate` has a loss to reproduce.
 SHORT_DEMO = [

@@ -7,7 +7,6 @@ lines get CPU settings and two steps appended (the config it copies is a GPU run
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -21,11 +20,7 @@ from transformers import AutoModelForCausalLM
 from lightning_blockwise.cli import build_cli, main
 from lightning_blockwise.recipes.encoding import byte_tokenizer
 from tests.helpers.models import CONFIGS
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "tools" / "readme_commands.py")
-readme_commands = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(readme_commands)
+from tests.helpers.readme import ROOT, readme_commands
 
 #: What the test adds to each `fit` line: a CPU, fp32, a short run, a checkpoint at every step.
 CPU_AND_SHORT = [
