@@ -19,6 +19,7 @@ is not in the median, nor in the losses, so the row reads as without it, plus th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -44,6 +45,7 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.recipes.random_init import random_nf4_model
+from lightning_blockwise.strategy.step_budget import StepBudget
 
 #: Shapes beside step_benchmark.SHAPES (not added there): ``tiny`` for the CPU tests (two Qwen2 layers, a vocabulary
 #: above the byte tokenizer's 259 ids), ``0.5b`` for a GPU smoke run of every arm in minutes (the Qwen2.5-0.5B shape
@@ -203,7 +205,22 @@ def strategy_for(arm: Arm, point: Point, budgets: dict[str, str]) -> tuple[Any, 
         budget = budgets[point.key]  # the driver gives one for every point it runs this arm at
     if budget is not None:
         options["vram_budget"] = int(budget) if budget.isdigit() else budget
+    if "noattn" in arm.options:
+        _keep_no_attention()
     return BlockwiseStrategy(**options), {"strategy": "blockwise", "strategy_options": options}
+
+
+def _keep_no_attention() -> None:
+    """Plans in this process keep no attention outputs: the arm that measures NOTE [ Kept attention ]'s gain."""
+    if getattr(StepBudget.for_module, "keeps_no_attention", False):
+        return
+    build = StepBudget.for_module
+
+    def without(*args: Any, **kwargs: Any) -> StepBudget:
+        return dataclasses.replace(build(*args, **kwargs), keep_attention=False)
+
+    without.keeps_no_attention = True  # type: ignore[attr-defined]
+    StepBudget.for_module = without  # type: ignore[method-assign]
 
 
 def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace, device: torch.device) -> dict:
@@ -247,6 +264,7 @@ def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace
     if plan is not None:
         row.update(predicted_peak_gb=plan.residency.predicted_peak / measure.GB, offload=plan.offload,
                    resident_blocks=len(plan.residency.resident), kept_blocks=len(plan.residency.kept),
+                   attention_blocks=len(plan.residency.attention),
                    input_checkpoint_every=plan.shape.checkpoint_every)  # fmt: skip
     gc.collect()
     if device.type == "cuda":

@@ -16,7 +16,7 @@ SYSTEM_NAMES = {"ours": "lightning-blockwise", "resident": "lightning-blockwise"
                 "unsloth": "unsloth"}  # fmt: skip
 #: Options each system takes; ``name`` alone is a flag, ``name=value`` a value.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "ours": ("liger", "fused", "budget", "offload", "chunked", "tiled", "hfloss", "det"),
+    "ours": ("liger", "fused", "budget", "offload", "chunked", "tiled", "hfloss", "det", "noattn"),
     "resident": ("liger", "fused", "chunked", "tiled", "hfloss", "det"),
     "peft": ("liger", "fused", "chunked", "tiled", "hfloss", "det"),
     "unsloth": ("gc",),
@@ -31,6 +31,7 @@ OPTION_HELP = {
     "tiled": "tile_mlps(model, VALUE or 4096)",
     "hfloss": "Hugging Face's loss (model(**batch).loss) instead of the chunked one",
     "det": "deterministic mode: Trainer(deterministic=True), CUBLAS_WORKSPACE_CONFIG=:4096:8",
+    "noattn": "recomputed layers keep no attention outputs (StepBudget.keep_attention=False; NOTE [ Kept attention ])",
     "gc": "Unsloth's use_gradient_checkpointing: unsloth (its default), true or false",
 }
 #: The chunked loss's rows of logits at a time and the MLP tile, as benchmarks/long_context.py uses them.

@@ -133,7 +133,10 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
         blocks = sizes.block_bytes(advice.block_size)
         streamed = sum(nbytes for index, nbytes in enumerate(blocks) if index not in advice.plan.resident)
         # Kept layers run once, not recomputed (NOTE [ Expected step time ]): the last block may hold fewer layers.
-        kept = sum(min(advice.block_size, sizes.num_layers - block * advice.block_size) for block in advice.plan.kept)
+        def layers(blocks: tuple[int, ...]) -> int:
+            return sum(min(advice.block_size, sizes.num_layers - block * advice.block_size) for block in blocks)
+
+        kept = layers(advice.plan.kept)
         cost = StepCost(
             matmul_params=matmul_params(sizes),
             num_layers=sizes.num_layers,
@@ -145,6 +148,7 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
             kept_layers=kept,
             kept_params=kept * _layer_params(sizes.config),
             tiled_attention=advice.attention_tile_tokens is not None and advice.attention_tile_tokens < tokens,
+            attention_layers=layers(advice.plan.attention),
         )
         time = step_time(cost, tokens, machine.tflops, machine.link_gbps)
     return ContextFit(tokens, advice, pinned, host, binds, time)

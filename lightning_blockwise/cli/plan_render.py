@@ -65,9 +65,16 @@ def plan_fields(residency: Any) -> dict[str, Any]:
         "minimum_bytes": residency.minimum,
         "resident_blocks": len(residency.resident),
         "kept_blocks": len(residency.kept),
+        "attention_blocks": len(residency.attention),
         "num_slots": residency.num_slots,
         "slot_bytes": residency.slot_bytes,
     }
+
+
+def _attention_kept(fields: dict[str, Any], end: str) -> str:
+    """How many recomputed blocks keep their attention outputs (NOTE [ Kept attention ]), where any do."""
+    blocks = fields.get("attention_blocks", 0)
+    return f" {blocks} recomputed ones keeping their attention outputs{end}" if blocks else ""
 
 
 def _window_text(block_major: int | None) -> str:
@@ -103,7 +110,7 @@ def print_report(report: dict[str, Any]) -> None:
         (
             "VRAM, predicted peak",
             f"{format_gb(report['predicted_peak_bytes'])} allocated ({report['resident_blocks']} blocks resident,"
-            f" {report['kept_blocks']} of them keeping their activations,"
+            f" {report['kept_blocks']} of them keeping their activations,{_attention_kept(report, ',')}"
             f" {report['num_slots']} slots of {report['slot_bytes'] / 1e6:.1f} MB){_over_the_card(report)}",
         ),
         (
@@ -223,7 +230,8 @@ def _recommendation_rows(advice: dict[str, Any], report: dict[str, Any]) -> list
             sized,
             f"{settings}: predicted peak {format_gb(advice['predicted_peak_bytes'])} allocated"
             f" ({format_gb(advice['predicted_reserved_bytes'])} with the allocator's headroom),"
-            f" {advice['resident_blocks']} blocks resident, {advice['kept_blocks']} keeping their activations",
+            f" {advice['resident_blocks']} blocks resident, {advice['kept_blocks']} keeping their activations"
+            + _attention_kept(advice, "").replace(" ", ", ", 1),
         )
     ]
     if advice["offload_activations"]:

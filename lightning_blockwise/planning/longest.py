@@ -45,6 +45,8 @@ DEFAULT_TFLOPS = 150.0
 # Layers that keep their activations under a budget (NOTE [ Kept activations ] in planning/memory.py)
 # run as in resident training, one forward: neither the recompute nor a second-level one, so theirs
 # are taken off (2 x their params x tokens and 2 x tokens^2 x size for each forward they skip).
+# Recomputed layers that keep their attention outputs (NOTE [ Kept attention ] in replay/kept_attention.py)
+# skip the recompute's attention forward: 2 x tokens^2 x size each taken off.
 #
 # Copies, in bytes over the host link: every block's slab twice per step (forward and backward; three
 # times with a second-level recompute), and with offload the layer inputs out and back. The link is
@@ -70,6 +72,7 @@ class StepCost:
         kept_params: Weights of those layers' matmuls.
         tiled_attention: Attention runs in query tiles, each tile's forward run again in its backward: one attention
             forward more per layer and step, kept layers included.
+        attention_layers: Recomputed layers that keep their attention outputs: one attention forward less each.
     """
 
     matmul_params: int
@@ -82,6 +85,7 @@ class StepCost:
     kept_layers: int = 0
     kept_params: int = 0
     tiled_attention: bool = False
+    attention_layers: int = 0
 
     @property
     def forwards(self) -> int:
@@ -99,7 +103,7 @@ class StepCost:
         params = (2 * self.forwards + 2) * self.matmul_params - 2 * skipped * self.kept_params
         matmuls = (params + 2 * self.recomputed_params) * tokens
         layers = (2 * self.forwards + 5) * self.num_layers - 2 * skipped * self.kept_layers
-        layers += 2 * self.num_layers * self.tiled_attention
+        layers += 2 * self.num_layers * self.tiled_attention - 2 * self.attention_layers
         attention = layers * tokens**2 * self.attention_size
         return float(matmuls + attention)
 

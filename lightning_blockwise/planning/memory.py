@@ -61,7 +61,10 @@ HOPPER_BLAS_WORKSPACE = 8 * 4096 * 2**10
 # holds their slabs and graphs, then spends what is left on resident blocks only, which save
 # copies, worth it only where the step waits on the link. A timed plan that spent the budget by
 # a measured step was no faster on the H100 (benchmarks/RESULTS.md, "Timed plan") and was
-# removed. `keep_activations=False` spends the whole budget on residency.
+# removed. `keep_activations=False` spends the whole budget on residency. Before any graph, the budget
+# keeps the attention outputs of recomputed layers (NOTE [ Kept attention ] in replay/kept_attention.py),
+# from the last block down: at long context they save a layer's attention kernel for a twentieth of its
+# graph's bytes; a block that then keeps its whole graph gives its attention outputs back.
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class ResidencyPlan:
         resident: Blocks copied to the device once and kept there.
         kept: Blocks whose layers keep their autograd graph from the forward to the backward
             instead of recomputing it (NOTE [ Kept activations ]); resident or streamed.
+        attention: Blocks, not kept, whose layers keep their attention outputs for the recompute (NOTE [ Kept
+            attention ] in replay/kept_attention.py).
         num_slots: Device slots for the streamed blocks.
         slot_bytes: Bytes of one slot (the largest streamed block).
         predicted_peak: Predicted peak allocated device memory of a training step, in bytes.
@@ -85,6 +90,7 @@ class ResidencyPlan:
     predicted_peak: int
     minimum: int
     kept: tuple[int, ...] = ()
+    attention: tuple[int, ...] = ()
 
     @property
     def predicted_reserved(self) -> int:
@@ -102,7 +108,7 @@ def with_headroom(allocated: int) -> int:
 
 def plan_residency(
     block_bytes: list[int], prefetch_depth: int, fixed_bytes: int, trainable_bytes: int, activation_bytes: int,
-    budget: int | None, graph_bytes: list[int] | None = None,
+    budget: int | None, graph_bytes: list[int] | None = None, attention_bytes: list[int] | None = None,
 ) -> ResidencyPlan:  # fmt: skip
     """Keep as many blocks resident as ``budget`` allows; stream the rest (all of them without a budget).
 
@@ -124,6 +130,8 @@ def plan_residency(
         budget: The cap on the allocator, in bytes, or ``None`` to stream every block.
         graph_bytes: Each block's layers' autograd graphs (:meth:`StepShape.layer_graph` per layer),
             what keeping it costs beyond its slab; ``None``: every layer is recomputed.
+        attention_bytes: Each block's layers' attention outputs (:meth:`StepShape.kept_attention` per layer), what a
+            recomputed block keeps so that its recompute runs no attention kernel; ``None``: none kept.
 
     Raises:
         ValueError: If ``budget`` is below the minimum (every block streamed).
@@ -152,17 +160,31 @@ def plan_residency(
             f" {ALLOCATOR_SLACK // 2**20} MiB for the allocator). Raise the budget to at least {format_gib(minimum)},"
             " or lower `prefetch_depth`, `block_size` or the tokens per micro-batch."
         )
+    # Attention outputs first, from the last block down: they save the most compute per byte (NOTE [ Kept
+    # attention ]); then whole graphs from the first block on, each replacing its block's attention outputs.
+    attention = attention_bytes or []
+    with_attention: list[int] = []
+    kept_bytes = 0
+    for block in reversed(range(len(attention))):
+        if not fits(0, kept_bytes + attention[block]):
+            break
+        kept_bytes += attention[block]
+        with_attention.append(block)
     graphs = graph_bytes or []
-    kept, kept_bytes = 0, 0
-    while kept < len(graphs) and fits(kept + 1, kept_bytes + graphs[kept]):
-        kept_bytes += graphs[kept]
+    kept = 0
+    while kept < len(graphs):
+        more = graphs[kept] - (attention[kept] if kept in with_attention else 0)
+        if not fits(kept + 1, kept_bytes + more):
+            break
+        kept_bytes += more
         kept += 1
     resident = kept
     while resident < len(block_bytes) and fits(resident + 1, kept_bytes):
         resident += 1
     kept_blocks = tuple(range(kept))
+    attention_blocks = tuple(sorted(block for block in with_attention if block >= kept))
     predicted, slots, slot_bytes = peak(resident, kept_bytes)
-    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum, kept_blocks)
+    return ResidencyPlan(tuple(range(resident)), slots, slot_bytes, predicted, minimum, kept_blocks, attention_blocks)
 
 
 __all__ = [

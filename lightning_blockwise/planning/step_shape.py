@@ -176,6 +176,9 @@ class StepShape:
     attention_tile_tokens: int | None = None
     fused_norm: bool = False
     masked_row: int | None = None
+    #: Query heads and their width (``None``: the hidden size in one head): what a kept attention output takes.
+    query_heads: int | None = None
+    query_size: int | None = None
 
     @classmethod
     def for_config(
@@ -234,6 +237,8 @@ class StepShape:
             window=window,
             offloaded_layers=offloaded_layers,
             kv_size=kv_heads * head_size if kv_heads and head_size else None,
+            query_heads=heads,
+            query_size=heads * head_size if heads and head_size else None,
             fused_mlp=fused_mlp,
             checkpoint_every=checkpoint_every,
             attention_tile_tokens=attention_tile_tokens,
@@ -348,6 +353,18 @@ class StepShape:
     def offloaded_host_bytes(self) -> int:
         """Host bytes the saved layer inputs take with offload on (every offloaded layer's input at once), else 0."""
         return self.host_inputs() * self.input_bytes()
+
+    def kept_attention(self) -> int:
+        """Bytes a recomputed layer keeps with its attention outputs for its recompute.
+
+        NOTE [ Kept attention ] in replay/kept_attention.py. The attention output (tokens x query heads x head size, in
+        the activations' dtype) and its log-sum-exp (fp32 per query head and token; the memory-efficient kernel pads
+        the tokens to 32), as the allocator rounds them.
+        """
+        width = self.hidden_size if self.query_size is None else self.query_size
+        rows = -(-self.tokens // 32) * 32
+        kept = self.tokens * width * self.activation_bytes + (self.query_heads or 1) * rows * 4
+        return int(kept * _ALLOCATOR_ROUNDING)
 
     def layer_graph(self) -> int:
         """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).

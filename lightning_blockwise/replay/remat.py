@@ -5,6 +5,7 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.hooks import hooks_once, hooks_silenced
 from lightning_blockwise.replay.kept import KeptFunction
+from lightning_blockwise.replay.kept_attention import KeptAttention
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.replay.segments import segment_for
 from lightning_blockwise.residency.activations import ActivationOffload
@@ -81,6 +83,8 @@ class RematLayer:
         keep: Keep the forward's graph to the backward instead of recomputing it (a layer of a
             streamed block whose activations fit the budget: NOTE [ Kept graphs of streamed blocks ]
             in kept.py).
+        keep_attention: Keep the attention kernels' outputs from the forward for the recompute, which then does not
+            run them again (NOTE [ Kept attention ] in kept_attention.py); not with ``checkpoint_every``.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class RematLayer:
         keep: bool = False,
         to_host: bool = True,
         checkpoint_every: int | None = None,
+        keep_attention: bool = False,
     ) -> None:
         self.layer = layer
         self.index = index
@@ -102,6 +107,10 @@ class RematLayer:
         self.to_host = to_host
         self.checkpoint_every = checkpoint_every
         self.keep = keep
+        # A segment's replay reruns layers whose forward kept nothing (NOTE [ Input checkpoints ] in segments.py).
+        self.keep_attention = keep_attention and checkpoint_every is None
+        #: Attention calls the recompute computed although the layer keeps attention (NOTE [ Kept attention ]).
+        self.attention_misses = 0
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
         # The layer's own forward: one a user set on the instance (NOTE [ A forward set on the layer ]), else the
@@ -176,8 +185,10 @@ class _RematFunction(torch.autograd.Function):
         hidden: Tensor,
         anchor: Tensor,
     ) -> Tensor:
+        ctx.attention = KeptAttention() if remat.keep_attention else None
         remat.residency.acquire(remat.index, Pass.FORWARD)
-        output = remat.run_once(hidden, call)
+        with ctx.attention.record() if ctx.attention is not None else contextlib.nullcontext():
+            output = remat.run_once(hidden, call)
         remat.residency.release(remat.index, Pass.FORWARD)
         ctx.remat, ctx.call, ctx.rng, ctx.params = remat, call, rng, params
         # The layer below, when it is rematerialized too (NOTE [ Gradients that bypass the next layer ]).
@@ -212,11 +223,15 @@ class _RematFunction(torch.autograd.Function):
         wants_input_grad = ctx.needs_input_grad[4]
         params = list(ctx.params)  # those that required a gradient in the forward
 
+        attention, ctx.attention = ctx.attention, None
         remat.residency.acquire(remat.index, Pass.BACKWARD)
         with ctx.rng.replay():
             x = hidden.detach().requires_grad_(wants_input_grad)
-            with torch.enable_grad(), ctx.call.autocast_context():
+            served = attention.serve() if attention is not None else contextlib.nullcontext()
+            with torch.enable_grad(), ctx.call.autocast_context(), served:
                 output = remat.rerun(x, ctx.call)
+        if attention is not None:
+            remat.attention_misses += attention.misses
         inputs = [x, *params] if wants_input_grad else params
         # Into `.grad`, in resident training's order (NOTE [ Exact rematerialization ]).
         torch.autograd.backward(output, grad_output, inputs=inputs)
@@ -276,12 +291,15 @@ def install(
     keep: Collection[int] = (),
     to_host: Collection[int] | None = None,
     checkpoint_every: int | None = None,
+    keep_attention: Collection[int] = (),
 ) -> None:
     """Install a :class:`RematLayer` as the ``forward`` of each layer, in place; those in ``keep`` keep their graphs.
 
     With an ``offload``, the inputs of the layers in ``to_host`` (``None``: all) wait in host memory, the
     others on the device (NOTE [ Split layer inputs ] in residency/activations.py). With ``checkpoint_every``
     only every so many layers' inputs are kept, the others replayed (NOTE [ Input checkpoints ] in segments.py).
+    Those in ``keep_attention`` keep their attention kernels' outputs for the recompute (NOTE [ Kept attention ] in
+    kept_attention.py).
 
     Parameter names, ``state_dict`` keys and the layer classes are unchanged; only the
     instances get a ``forward`` attribute (removed by :func:`uninstall`). Hugging Face's own
@@ -305,6 +323,7 @@ def install(
             keep=index in keep,
             to_host=host,
             checkpoint_every=checkpoint_every,
+            keep_attention=index in keep_attention,
         )
         layer.gradient_checkpointing = False
 

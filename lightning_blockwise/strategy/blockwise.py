@@ -330,6 +330,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             # The options', or where the plan chose them, its own (NOTE [ Where layer inputs wait ] in step_budget.py).
             plan.shape.offloaded_layers,
             plan.shape.checkpoint_every,
+            plan.residency.attention,
         )
         self._layers.set_observer(self._observer)
         self._planner.attach(self._layers)

@@ -140,6 +140,8 @@ class StepBudget:
         block_layers: Decoder layers in each block.
         keep_activations: With a budget, keep blocks' graphs instead of recomputing them where they
             fit (NOTE [ Kept activations ] in planning/memory.py).
+        keep_attention: With ``keep_activations``, recomputed layers keep their attention outputs where they fit
+            (NOTE [ Kept attention ] in replay/kept_attention.py).
         adapter_dropout: The adapters apply dropout (a kept graph holds their dropped-out inputs).
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with block-major
             accumulation, else 1; over 1, nothing is kept or offloaded (NOTE [ Block-major accumulation ]).
@@ -182,6 +184,7 @@ class StepBudget:
     attention_tile_tokens: int | None = None
     fused_norm: bool = False
     masked_row: int | None = None
+    keep_attention: bool = True
 
     @classmethod
     def for_module(
@@ -458,6 +461,7 @@ class StepBudget:
             activation_bytes=shape.activation_peak(),
             budget=budget,
             graph_bytes=self._graph_bytes(shape),
+            attention_bytes=self._attention_bytes(shape),
         )
 
     def _graph_bytes(self, shape: StepShape) -> list[int] | None:
@@ -465,6 +469,16 @@ class StepBudget:
         if not self.keep_activations or self.budget is None or not self.block_layers or self.window > 1:
             return None
         return [layers * shape.layer_graph() for layers in self.block_layers]
+
+    def _attention_bytes(self, shape: StepShape) -> list[int] | None:
+        """Each block's layers' attention outputs, when recomputed layers may keep them (NOTE [ Kept attention ]).
+
+        Not with input checkpoints (a segment's replay reruns layers whose forward kept nothing) nor with attention
+        dropout (a call with dropout is computed again: NOTE [ Kept attention ] in replay/kept_attention.py).
+        """
+        if not self.keep_attention or shape.checkpoint_every is not None or _attention_dropout(self.config):
+            return None
+        return None if self._graph_bytes(shape) is None else [n * shape.kept_attention() for n in self.block_layers]
 
     def layer_graph(self, tokens: int) -> int:
         """Bytes of one layer's autograd graph at ``tokens`` tokens (what a resident layer keeps)."""
@@ -478,11 +492,14 @@ class StepBudget:
             offload = f", layer inputs offloaded to host memory ({format_gib(plan.offload_host_bytes)} pinned)"
         else:
             offload = ""
-        kept = plan.residency.kept
+        kept, attention = plan.residency.kept, plan.residency.attention
         streamed = len(set(kept) - set(plan.residency.resident))
         kept_text = (
             f"{len(kept)} blocks keep their activations (not recomputed; {streamed} of them streamed), " if kept else ""
         )
+        if attention:
+            layers = sum(self.block_layers[block] for block in attention)
+            kept_text += f"{layers} recomputed layers keep their attention outputs, "
         if self.window > 1:
             kept_text += f"block-major accumulation over {self.window} micro-batches (nothing kept or offloaded), "
         resident = f"{len(plan.residency.resident)} of {len(self.block_bytes)} blocks resident, "
@@ -521,6 +538,12 @@ def device_limit(device: torch.device) -> int | None:
         return None
     total = torch.cuda.get_device_properties(device).total_memory
     return int(torch.cuda.get_per_process_memory_fraction(device) * total) - _CONTEXT_RESERVE
+
+
+def _attention_dropout(config: Any) -> bool:
+    """Whether the model's attention applies dropout in training (its config's ``attention_dropout``)."""
+    config = getattr(config, "text_config", None) or config
+    return bool(getattr(config, "attention_dropout", 0.0) or 0.0)
 
 
 def _has_dropout(module: nn.Module) -> bool:

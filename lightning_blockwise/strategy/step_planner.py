@@ -246,7 +246,7 @@ class StepPlanner:
         # plan counted them as room), the streamer rebuilt once for a new k and new resident blocks together.
         shape, residency = plan.shape, plan.residency
         self._layers.set_input_levels(
-            shape.offloaded_layers, shape.checkpoint_every, residency.resident, residency.kept
+            shape.offloaded_layers, shape.checkpoint_every, residency.resident, residency.kept, residency.attention
         )
         self._layers.offload_inputs(shape.input_bytes() if plan.offload else None)
 

@@ -48,6 +48,8 @@ class StreamedStack:
             residency/activations.py). ``None``: every layer.
         checkpoint_every: Keep every this many layers' inputs only and replay the others in the backward
             (NOTE [ Input checkpoints ] in replay/segments.py); ``None``: keep every layer's input.
+        attention: Blocks whose recomputed layers keep their attention outputs for the recompute (NOTE [ Kept
+            attention ] in replay/kept_attention.py).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class StreamedStack:
         kept: Iterable[int] = (),
         offloaded_layers: int | None = None,
         checkpoint_every: int | None = None,
+        attention: Iterable[int] = (),
     ) -> None:
         self.layers = list(layers)
         self.plan = plan
@@ -69,6 +72,7 @@ class StreamedStack:
         self.prefetch_depth = prefetch_depth
         self.resident = tuple(sorted(resident))
         self.kept = tuple(sorted(kept))
+        self.attention = tuple(sorted(attention))
         n = len(self.layers)
         self.offloaded_layers = n if offloaded_layers is None else offloaded_layers
         if not 0 <= self.offloaded_layers <= n:
@@ -109,6 +113,7 @@ class StreamedStack:
             keep=streamed_kept,
             to_host=to_host,
             checkpoint_every=self.checkpoint_every,
+            keep_attention={i for block in self.attention for i in self.plan.layers_of(block)},
         )
         # NOTE [ Kept activations ] in planning/memory.py: a resident block never moves, so plain autograd is safe.
         kept = [self.layers[i] for block in self.kept if block in self.resident for i in self.plan.layers_of(block)]
@@ -146,6 +151,7 @@ class StreamedStack:
         checkpoint_every: int | None,
         resident: Iterable[int] | None = None,
         kept: Iterable[int] | None = None,
+        attention: Iterable[int] | None = None,
     ) -> None:
         """Offload the first ``offloaded_layers`` layers' inputs (``None``: all) and keep one in ``checkpoint_every``.
 
@@ -154,6 +160,8 @@ class StreamedStack:
         and a new ``checkpoint_every`` or new ``resident``/``kept`` blocks (default: the same) get one new streamer,
         which prefetches along the new step order and copies the resident blocks once.
         """
+        # Which layers keep their attention outputs is the wrappers' alone: every path below reinstalls them.
+        self.attention = self.attention if attention is None else tuple(sorted(attention))
         self.offload_inputs(None)
         self.offloaded_layers = len(self.layers) if offloaded_layers is None else offloaded_layers
         resident = self.resident if resident is None else tuple(sorted(resident))

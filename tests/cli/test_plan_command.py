@@ -343,18 +343,19 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     # At 16384 tokens Hugging Face's loss alone holds 16384 x 152064 x 12 B = 29.9 GB of logits: neither the
     # plain step nor offload fits the 23.0 GiB budget. The chunked loss (1024 rows) brings every block streamed
     # to 11.0 GiB with the allocator's headroom, so offload is not needed on top of it. The rest of the budget
-    # keeps two blocks' activations (4.8 GB of graph each at 16k tokens with adapter dropout: NOTE [ Kept
-    # activations ]) and fourteen more blocks resident.
+    # keeps the attention outputs of the layers it recomputes first (0.12 GB each at 16k tokens: NOTE [ Kept
+    # attention ]), then one block's activations (4.8 GB of graph at 16k tokens with adapter dropout, replacing its
+    # attention outputs: NOTE [ Kept activations ]), then every block resident.
     advice = recommend(seven, card, tokens=16384)
     assert advice.budget == int(23 * 2**30 / (2**30 // 10)) * (2**30 // 10)
     for offload in (False, True):
         assert seven.residency(16384, 1, 2, offload_inputs=offload).minimum > advice.budget
     assert (advice.offload_activations, advice.loss_chunk_tokens, advice.offload_host_bytes) == (False, 1024, 0)
     assert advice.mlp_tile_tokens is None
-    assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 16
-    assert advice.plan.kept == (0, 1)
+    assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 28
+    assert advice.plan.kept == (0,) and advice.plan.attention == tuple(range(1, 28))
     assert advice.minimum == seven.residency(16384, loss_chunk_tokens=1024).minimum
-    assert round(advice.plan.predicted_peak / 1e9, 2) == 22.28
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 21.81
 
     # Offload alone is enough where the saved inputs, not the logits, tip it over: 32B at 8192 tokens.
     thirty_two = model_sizes(_qwen25("32b"), dtype=torch.bfloat16, lora_rank=16)
@@ -493,9 +494,10 @@ def test_recommendation_tiles_the_mlp_last() -> None:
     assert advice.plan is not None and advice.plan.predicted_reserved <= advice.budget
     tiled = seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024, mlp_tile_tokens=4096)
     assert advice.minimum == tiled.minimum
-    # Block size 2: one block (two layers) fits resident, and the rest stream in fewer, larger copies.
-    assert advice.block_size == 2 and advice.plan.resident == (0,)
-    assert round(advice.plan.predicted_peak / 1e9, 2) == 21.73
+    # Block size 2: the rest stream in fewer, larger copies, and the last block (two layers) keeps its attention
+    # outputs (1.1 GB at 32k tokens), which the budget spends before residency (NOTE [ Kept attention ]).
+    assert advice.block_size == 2 and advice.plan.resident == () and advice.plan.attention == (39,)
+    assert round(advice.plan.predicted_peak / 1e9, 2) == 21.94
     assert advice.offload_host_bytes == 80 * tokens * 8192 * 2
 
     # A tile the module already uses is kept from the first option on: at 4096 tokens the plain step fits.
