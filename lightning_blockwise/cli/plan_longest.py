@@ -132,6 +132,7 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
     if advice.plan is not None:
         blocks = sizes.block_bytes(advice.block_size)
         streamed = sum(nbytes for index, nbytes in enumerate(blocks) if index not in advice.plan.resident)
+
         # Kept layers run once, not recomputed (NOTE [ Expected step time ]): the last block may hold fewer layers.
         def layers(blocks: tuple[int, ...]) -> int:
             return sum(min(advice.block_size, sizes.num_layers - block * advice.block_size) for block in blocks)

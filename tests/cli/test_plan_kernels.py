@@ -108,9 +108,7 @@ def test_the_single_length_report_counts_liger_and_says_so(seven: ModelSizes) ->
 def test_the_recommendation_counts_liger_s_swiglu_only_where_it_leaves_the_mlp_untiled(seven: ModelSizes) -> None:
     short = recommend(seven, 24 * GiB, 4096, fused_norm=True, fused_mlp=True)
     assert short.mlp_tile_tokens is None and (short.fused_norm, short.fused_mlp) == (True, True)
-    assert short.plan == seven.residency(
-        4096, short.block_size, budget=short.budget, fused_norm=True, fused_mlp=True
-    )
+    assert short.plan == seven.residency(4096, short.block_size, budget=short.budget, fused_norm=True, fused_mlp=True)
     # Control: where the recommendation tiles the MLPs the recipe installs Liger's RMSNorm and RoPE only.
     long = recommend(seven, 24 * GiB, 131072, fused_norm=True, fused_mlp=True)
     assert long.mlp_tile_tokens == 4096 and (long.fused_norm, long.fused_mlp) == (True, False)
