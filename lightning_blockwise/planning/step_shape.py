@@ -366,6 +366,18 @@ class StepShape:
         kept = self.tokens * width * self.activation_bytes + (self.query_heads or 1) * rows * 4
         return int(kept * _ALLOCATOR_ROUNDING)
 
+    def attention_flops(self) -> int:
+        """FLOPs of one layer's causal attention forward (two matmuls over the causal half of tokens x tokens)."""
+        width = self.hidden_size if self.query_size is None else self.query_size
+        return 2 * self.tokens**2 * width
+
+    def layer_flops(self) -> int:
+        """FLOPs of one layer's forward: its Llama-style linears' matmuls and its attention."""
+        width = self.hidden_size if self.query_size is None else self.query_size
+        kv_size = self.hidden_size if self.kv_size is None else self.kv_size
+        params = 2 * self.hidden_size * (width + kv_size) + 3 * self.hidden_size * self.intermediate_size
+        return 2 * self.tokens * params + self.attention_flops()
+
     def layer_graph(self) -> int:
         """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).
 

@@ -49,6 +49,14 @@ from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 # Re-planning changes the levels between steps only, where no input is held
 # (``StreamedStack.set_input_levels``).
 #
+# Inputs on the card save no compute: in host memory they cost copies, which overlap the step. So where
+# the plan leaves layers that neither keep their graphs nor their attention outputs (NOTE [ Kept
+# attention ] in replay/kept_attention.py), it also plans with as many inputs in host memory as the host
+# holds, and takes that plan where it skips more forward FLOPs (kept graphs' whole forwards, kept
+# attention outputs' attention forwards: ``StepShape.layer_flops``, ``attention_flops``). That is long
+# context on a small card: the 7B shape at 32k tokens on a 22 GiB cap kept the attention outputs of 8 of
+# 28 layers beside the inputs on the card.
+#
 # The host memory free for the inputs (``StepPlanner``'s, for every plan) is what the arena's own
 # check sees, less its reserve, divided among the ranks on this machine (each offloads its own), plus,
 # at a re-plan, this rank's current slabs: they are freed before the new ones are allocated, so they
@@ -77,6 +85,8 @@ class InputChoice:
     levels: InputLevels
     card_holds: int
     host_holds: int
+    #: More inputs wait in host memory than the card needs, so that it keeps attention outputs and graphs instead.
+    for_kept: bool = False
 
     def describe(self, num_layers: int, host_bytes: int) -> str:
         """What was chosen and why, for the log (``host_bytes``: what the inputs in host memory take)."""
@@ -89,6 +99,8 @@ class InputChoice:
                 f"one in {every} kept ({where}), the others replayed in the backward: no split of all {num_layers} fits"
             )
         holds = f"the budget holds {self.card_holds} at a time on the card, the host {self.host_holds}"
+        if self.for_kept:
+            holds += "; in host memory so that the card keeps attention outputs and graphs, which skip compute"
         return f"layer inputs: {where}; {holds}"
 
 
@@ -388,7 +400,35 @@ class StepBudget:
             longest = self._longest(tokens, host_bytes)
             raise ValueError(f"at {tokens} tokens per micro-batch {error} {longest}") from None
         shape = self.shape(tokens, False, choice.levels)
-        return StepPlan(tokens, self._residency(shape, self.budget), shape.offload_inputs, shape, inputs=choice)
+        plan = StepPlan(tokens, self._residency(shape, self.budget), shape.offload_inputs, shape, inputs=choice)
+        return self._inputs_out_for_kept(plan, host_bytes)
+
+    def _inputs_out_for_kept(self, plan: StepPlan, host_bytes: int) -> StepPlan:
+        """``plan``, or one with more inputs in host memory skipping more compute (NOTE [ Where layer inputs wait ])."""
+        assert plan.inputs is not None
+        host = min(self.num_layers, host_bytes // plan.shape.input_bytes())
+        if plan.inputs.levels.k is not None or host <= plan.inputs.levels.host_count:
+            return plan
+        if self._attention_bytes(plan.shape) is None or self._covered(plan) == self.num_layers:
+            return plan
+        levels = InputLevels(self.num_layers - host, host, None)
+        shape = self.shape(plan.tokens, False, levels)
+        try:
+            residency = self._residency(shape, self.budget)
+        except ValueError:
+            return plan
+        moved = StepPlan(plan.tokens, residency, True, shape, inputs=replace(plan.inputs, levels=levels, for_kept=True))
+        return moved if self._skipped_flops(moved) > self._skipped_flops(plan) else plan
+
+    def _covered(self, plan: StepPlan) -> int:
+        """Layers of ``plan`` that keep their graphs or their attention outputs."""
+        return sum(self.block_layers[block] for block in (*plan.residency.kept, *plan.residency.attention))
+
+    def _skipped_flops(self, plan: StepPlan) -> int:
+        """Forward FLOPs that ``plan``'s kept graphs and kept attention outputs save a step."""
+        kept = sum(self.block_layers[block] for block in plan.residency.kept)
+        attention = sum(self.block_layers[block] for block in plan.residency.attention)
+        return kept * plan.shape.layer_flops() + attention * plan.shape.attention_flops()
 
     def _choose_inputs(self, tokens: int, host_bytes: int) -> InputChoice:
         """Where the layer inputs at ``tokens`` tokens wait under the budget and ``host_bytes`` of host memory.

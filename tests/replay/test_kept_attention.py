@@ -166,3 +166,33 @@ def test_the_planner_keeps_attention_before_graphs(checkpoint: Path, attention_b
     assert not dataclasses.replace(step_budget, keep_activations=False).plan(TOKENS).residency.attention
     config = step_budget.config.__class__.from_dict({**step_budget.config.to_dict(), "attention_dropout": 0.1})
     assert not dataclasses.replace(step_budget, config=config).plan(TOKENS).residency.attention
+
+
+def test_inputs_wait_in_host_memory_where_that_keeps_more_attention(
+    checkpoint: Path, attention_budget: tuple[int, StepPlan]
+) -> None:
+    """Where the card cannot hold every layer's attention outputs beside the inputs, the inputs move out; exact."""
+    probe = BlockwiseStrategy(budget_tokens=TOKENS)
+    fit(CausalLMModule(_nf4(checkpoint)), probe, max_steps=1)
+    assert probe._planner is not None
+    step_budget = dataclasses.replace(probe._planner.budget, budget=None, choose_inputs=True)
+
+    def moved(plan: StepPlan) -> bool:
+        return plan.inputs is not None and plan.inputs.for_kept
+
+    budget, plan = budget_where(step_budget, TOKENS, moved, step=2**6)
+    assert plan.inputs is not None and plan.inputs.levels.host_count == NUM_LAYERS and plan.offload
+    assert "so that the card keeps attention outputs" in step_budget.describe(plan)
+    # Controls: with no host memory for them the inputs stay on the card, and fewer layers keep attention outputs;
+    # without kept attention they stay on the card too.
+    on_card = dataclasses.replace(step_budget, budget=budget).plan(TOKENS, host_bytes=0)
+    assert on_card.inputs is not None and on_card.inputs.levels.host_count == 0 and not on_card.offload
+    assert len(plan.residency.attention) > len(on_card.residency.attention) and not plan.residency.kept
+    without = dataclasses.replace(step_budget, budget=budget, keep_attention=False).plan(TOKENS)
+    assert without.inputs is not None and not without.inputs.for_kept
+    resident = fit(CausalLMModule(_nf4(checkpoint)), "auto", max_steps=2)
+    strategy = BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS)
+    blockwise = fit(CausalLMModule(_nf4(checkpoint)), strategy, max_steps=2)
+    assert strategy.step_plan is not None and strategy.step_plan.inputs is not None
+    assert strategy.step_plan.inputs.for_kept and strategy.step_plan.offload
+    assert_equal_runs(resident, blockwise)

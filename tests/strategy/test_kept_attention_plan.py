@@ -1,0 +1,46 @@
+"""The planner's kept attention at the 7B shape on a 24 GB card (NOTE [ Kept attention ], [ Where layer inputs wait ]).
+
+The plans of the H200 runs of ``benchmarks/RESULTS.md`` ("Session of 2026-11-29 06:45"): Liger's kernels, no adapter
+dropout, the chunked loss, a 21.3 GiB budget (what the card's budget leaves of a 22 GiB cap), host memory to spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_blockwise.planning.shapes import shape_config
+from lightning_blockwise.planning.sizing import model_sizes
+from lightning_blockwise.strategy.step_budget import StepBudget
+
+HOST = 100 * 10**9
+
+
+@pytest.fixture(scope="module")
+def budget() -> StepBudget:
+    seven = model_sizes(shape_config("7b"), dtype=torch.bfloat16, lora_rank=16)
+    planned = seven.step_budget(budget=int(21.3 * 2**30), loss_chunk_tokens=1024, fused_norm=True, fused_mlp=True)
+    return dataclasses.replace(planned, adapter_dropout=False, card=True, choose_inputs=True)
+
+
+def test_every_recomputed_layer_keeps_its_attention_outputs_at_16k(budget: StepBudget) -> None:
+    plan = budget.plan(16384, host_bytes=HOST)
+    residency = plan.residency
+    assert plan.inputs is not None and plan.inputs.levels.host_count == 0 and not plan.inputs.for_kept
+    assert residency.kept == (0, 1) and residency.attention == tuple(range(2, 28))
+    # Control: without kept attention the budget buys graphs and residency only, and 26 layers recompute everything.
+    without = dataclasses.replace(budget, keep_attention=False).plan(16384, host_bytes=HOST).residency
+    assert without.attention == () and len(without.kept) < 28 - 20
+
+
+def test_at_32k_the_inputs_make_room_for_every_layer_s_attention_outputs(budget: StepBudget) -> None:
+    plan = budget.plan(32768, host_bytes=HOST)
+    assert plan.inputs is not None and plan.inputs.for_kept and plan.inputs.levels.host_count == 28
+    assert plan.residency.attention == tuple(range(28)) and plan.offload
+    # Control: with host memory for none of them, the inputs stay on the card and 10 layers keep attention outputs.
+    on_card = budget.plan(32768, host_bytes=0)
+    assert (
+        on_card.inputs is not None and on_card.inputs.levels.host_count == 0 and len(on_card.residency.attention) == 10
+    )
