@@ -10,6 +10,7 @@ reads; a recompute whose calls do not match the record computes them, exact eith
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import remat
 from lightning_blockwise.replay.kept_attention import KeptAttention
+from lightning_blockwise.strategy import step_budget as planner
 from lightning_blockwise.strategy.step_budget import StepPlan
 from tests.helpers.attention import CountAttention, record_one_bit_off
 from tests.helpers.budgets import budget_where, keeps_every_attention
@@ -28,6 +30,14 @@ from tests.helpers.models import CONFIGS, SEQ, CausalLMModule, assert_equal_runs
 
 NUM_LAYERS = 4
 TOKENS = 2 * SEQ
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_flops_floor() -> Iterator[None]:
+    """Tiny layers: their attention is far under the floor that keeps it on a real card (controlled below)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "KEPT_ATTENTION_MIN_FLOPS", 0)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +170,10 @@ def test_the_planner_keeps_attention_before_graphs(checkpoint: Path, attention_b
     assert larger is not None
     assert not set(larger.residency.kept) & set(larger.residency.attention)
     assert set(larger.residency.kept) | set(larger.residency.attention) == set(range(NUM_LAYERS))
-    # Not with input checkpoints, nor without keep_activations, nor with attention dropout.
+    # Not with input checkpoints, nor without keep_activations, nor with attention dropout, nor under the FLOPs floor.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "KEPT_ATTENTION_MIN_FLOPS", plan.shape.attention_flops() + 1)
+        assert not step_budget.plan(TOKENS).residency.attention
     every = dataclasses.replace(step_budget, checkpoint_every=2, choose_inputs=False)
     assert not every.plan(TOKENS).residency.attention
     assert not dataclasses.replace(step_budget, keep_activations=False).plan(TOKENS).residency.attention

@@ -13,7 +13,7 @@ import torch
 
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
-from lightning_blockwise.strategy.step_budget import StepBudget
+from lightning_blockwise.strategy.step_budget import KEPT_ATTENTION_MIN_FLOPS, StepBudget
 
 HOST = 100 * 10**9
 
@@ -44,3 +44,10 @@ def test_at_32k_the_inputs_make_room_for_every_layer_s_attention_outputs(budget:
     assert (
         on_card.inputs is not None and on_card.inputs.levels.host_count == 0 and len(on_card.residency.attention) == 10
     )
+
+
+def test_at_4k_attention_is_under_the_floor_and_nothing_keeps_it(budget: StepBudget) -> None:
+    """0.12 TFLOP per layer at 4k: the dispatch mode's host time outweighs it (KEPT_ATTENTION_MIN_FLOPS)."""
+    plan = budget.plan(4096, host_bytes=HOST)
+    assert plan.shape.attention_flops() < KEPT_ATTENTION_MIN_FLOPS < budget.plan(16384).shape.attention_flops()
+    assert plan.residency.attention == () and plan.residency.kept
