@@ -46,7 +46,7 @@ from torch.nn.modules import module as torch_module
 # The decoder layer's own hooks already fire once: `RematLayer` is the layer's `forward`, called by
 # the module with its hooks, and the recompute calls the class's `forward` directly. Their output is
 # differentiable; a loss on it (`output_hidden_states`) is NOTE [ Gradients that bypass the next layer ]
-# in remat.py.
+# in bypass.py.
 
 # NOTE [ A layer's modules, listed once ]
 # Every pass over a rematerialized layer (its no-grad forward, its recompute) looks at the forward-hook

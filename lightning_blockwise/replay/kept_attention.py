@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 #   on differently. Such calls are not recorded and are computed in the recompute (RNG replay makes them
 #   exact, as always).
 # - Nothing else in the layer is touched: every other operator runs as it would without the mode.
+#
+# A layer whose forward records nothing (its attention is not one of these kernels: an eager or external
+# implementation) or whose recompute misses says so once per process: the plan counted memory for records
+# that are not there, or that the recompute does not use.
 
 _ATEN = torch.ops.aten
 #: The fused attention operators whose outputs a layer keeps, and their argument that asks for the log-sum-exp.
@@ -94,6 +101,8 @@ class _Entry:
 class KeptAttention:
     """One layer call's attention outputs, from its forward to its recompute (NOTE [ Kept attention ])."""
 
+    #: The decoder layer's index, for the warnings.
+    index: int = 0
     entries: list[_Entry | None] = field(default_factory=list)
     #: Calls the recompute computed because they did not match the record (or were not recorded: dropout).
     misses: int = 0
@@ -168,4 +177,49 @@ def _unchanged(entry: _Entry) -> bool:
     return tuple(t._version for t in leaves if isinstance(t, Tensor)) == entry.versions
 
 
-__all__ = ["ATTENTION_OPERATORS", "KeptAttention"]
+@contextlib.contextmanager
+def recording(kept: KeptAttention | None) -> Iterator[None]:
+    """Record the attention outputs of the forward inside into ``kept`` (``None``: record nothing)."""
+    if kept is None:
+        yield
+        return
+    with kept.record():
+        yield
+    if not kept.entries:
+        _warn_once(
+            "empty",
+            f"BlockwiseStrategy: decoder layer {kept.index} ran no fused attention kernel of PyTorch's SDPA in its"
+            " forward, so it keeps no attention outputs for its recompute and the memory the plan counted for them"
+            " goes unused (NOTE [ Kept attention ]). Load the model with `attn_implementation='sdpa'` to have its"
+            " recompute skip attention, or pass `keep_activations=False`.",
+        )
+
+
+@contextlib.contextmanager
+def serving(kept: KeptAttention | None) -> Iterator[None]:
+    """Answer the recompute's attention calls inside from ``kept`` (``None``: compute them)."""
+    if kept is None:
+        yield
+        return
+    with kept.serve():
+        yield
+    if kept.misses:
+        _warn_once(
+            "missed",
+            f"BlockwiseStrategy: decoder layer {kept.index}'s recompute computed {kept.misses} attention call(s) that"
+            " its forward's record did not answer (another kernel, another shape, an output written since, or"
+            " dropout). The run stays exact; those calls cost what they cost without kept attention (NOTE [ Kept"
+            " attention ]).",
+        )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        warnings.warn(message, stacklevel=3)
+
+
+__all__ = ["ATTENTION_OPERATORS", "KeptAttention", "recording", "serving"]

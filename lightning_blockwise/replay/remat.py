@@ -5,20 +5,19 @@ The backward recomputes each layer under its saved RNG state and call arguments.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_blockwise.replay import block_major
+from lightning_blockwise.replay.bypass import note_arrival, refuse_a_bypass
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.hooks import hooks_once, hooks_silenced
 from lightning_blockwise.replay.kept import KeptFunction
-from lightning_blockwise.replay.kept_attention import KeptAttention
+from lightning_blockwise.replay.kept_attention import KeptAttention, recording, serving
 from lightning_blockwise.replay.rng import RngSnapshot
 from lightning_blockwise.replay.segments import segment_for
 from lightning_blockwise.residency.activations import ActivationOffload
@@ -109,8 +108,6 @@ class RematLayer:
         self.keep = keep
         # A segment's replay reruns layers whose forward kept nothing (NOTE [ Input checkpoints ] in segments.py).
         self.keep_attention = keep_attention and checkpoint_every is None
-        #: Attention calls the recompute computed although the layer keeps attention (NOTE [ Kept attention ]).
-        self.attention_misses = 0
         # The instance's own checkpointing flag, put back by `uninstall` (None: the class default applied).
         self.saved_checkpointing: bool | None = vars(layer).get("gradient_checkpointing")
         # The layer's own forward: one a user set on the instance (NOTE [ A forward set on the layer ]), else the
@@ -165,10 +162,11 @@ class RematLayer:
             return KeptFunction.apply(self, call, params, hidden, self.anchor)
         rng = RngSnapshot.capture(hidden.device)
         output = _RematFunction.apply(self, call, rng, params, hidden, self.anchor)
-        # The gradient as it arrives, before the user's tensor hooks (NOTE [ Gradients that bypass the next layer ]):
+        # The gradient as it arrives, before the user's tensor hooks (NOTE [ Gradients that bypass the next layer ] in
+        # bypass.py):
         # this hook is the output's first. A dict on the node, not the node in the hook, or the two hold each other.
         output.grad_fn.arrival = arrival = {}
-        output.register_hook(functools.partial(_note_arrival, arrival))
+        output.register_hook(functools.partial(note_arrival, arrival))
         return output
 
 
@@ -185,9 +183,9 @@ class _RematFunction(torch.autograd.Function):
         hidden: Tensor,
         anchor: Tensor,
     ) -> Tensor:
-        ctx.attention = KeptAttention() if remat.keep_attention else None
+        ctx.attention = KeptAttention(remat.index) if remat.keep_attention else None
         remat.residency.acquire(remat.index, Pass.FORWARD)
-        with ctx.attention.record() if ctx.attention is not None else contextlib.nullcontext():
+        with recording(ctx.attention):
             output = remat.run_once(hidden, call)
         remat.residency.release(remat.index, Pass.FORWARD)
         ctx.remat, ctx.call, ctx.rng, ctx.params = remat, call, rng, params
@@ -212,7 +210,7 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         remat: RematLayer = ctx.remat
-        _refuse_a_bypass(ctx, grad_output)
+        refuse_a_bypass(ctx, grad_output)
         if ctx.segment is not None:
             hidden = ctx.segment.input_of(ctx.position)
         elif ctx.offload is None:
@@ -227,11 +225,8 @@ class _RematFunction(torch.autograd.Function):
         remat.residency.acquire(remat.index, Pass.BACKWARD)
         with ctx.rng.replay():
             x = hidden.detach().requires_grad_(wants_input_grad)
-            served = attention.serve() if attention is not None else contextlib.nullcontext()
-            with torch.enable_grad(), ctx.call.autocast_context(), served:
+            with torch.enable_grad(), ctx.call.autocast_context(), serving(attention):
                 output = remat.rerun(x, ctx.call)
-        if attention is not None:
-            remat.attention_misses += attention.misses
         inputs = [x, *params] if wants_input_grad else params
         # Into `.grad`, in resident training's order (NOTE [ Exact rematerialization ]).
         torch.autograd.backward(output, grad_output, inputs=inputs)
@@ -244,43 +239,6 @@ class _RematFunction(torch.autograd.Function):
             ctx.below.handed = grad_input
             ctx.below = None
         return (None, None, None, None, grad_input, None)
-
-
-# NOTE [ Gradients that bypass the next layer ]
-# Under resident training the gradient of a decoder layer's output is summed in one buffer from
-# everything that read it: the next layer's modules (its norm, its residual add) and anything else,
-# e.g. a loss on `output_hidden_states` (transformers records them with a forward hook on each layer)
-# or on what a user's hook on the layer kept. Here the next layer's contributions are summed inside its
-# recompute first, and the other ones are added to that sum afterwards: another order of the same
-# floating-point sum, so the adapter gradients differ in the last bits (issue 25). The recompute cannot
-# take the other terms into its own sum, since they arrive in the outer backward's buffer, which only
-# the layer below sees. So the layer below checks that what it receives is the very tensor the next
-# layer handed down, and refuses anything else at the first backward; a hidden state that is only
-# observed (logged, detached) adds nothing and passes. It checks the gradient as it arrived, before
-# the tensor hooks a user registered on the output (`register_hook` on the hidden states; the strategy's
-# own hook comes first and notes it): such a hook acts on the summed gradient under resident training,
-# and here on the very tensor the next layer handed down, the same bits, so what it returns (a new
-# gradient included) is as exact as what it observes (issue 41 found them blamed on
-# `output_hidden_states`).
-def _note_arrival(arrival: dict[str, Tensor], grad: Tensor) -> None:
-    arrival["grad"] = grad
-
-
-def _refuse_a_bypass(ctx: Any, grad_output: Tensor) -> None:
-    handed = getattr(ctx, "handed", None)
-    ctx.handed = None
-    arrived = getattr(ctx, "arrival", {}).pop("grad", grad_output)
-    if handed is None or arrived is handed:
-        return
-    index = ctx.remat.index
-    raise MisconfigurationException(
-        f"BlockwiseStrategy: the loss depends on the output of decoder layer {index} other than through decoder layer"
-        f" {index + 1} (e.g. `output_hidden_states=True` with intermediate hidden states in the loss, or a forward hook"
-        f" on the layer that keeps its output for a loss term). A rematerialized layer sums that gradient in another"
-        " order than resident training, so the adapter gradients would differ in the last bits (NOTE [ Gradients"
-        " that bypass the next layer ]). Leave intermediate hidden states out of the loss (detach them if they are"
-        " metrics; the last one, after the final norm, is fine), or train this module with `strategy='auto'`."
-    )
 
 
 def install(

@@ -1,7 +1,7 @@
 """Every kind of hook on a rematerialized layer: with kwargs, returning what it was given, process-wide, on tensors.
 
 Issue 41 (items 4 and 12) and issue 42 (item 3). NOTE [ Forward hooks inside a rematerialized layer ] in
-replay/hooks.py and NOTE [ Gradients that bypass the next layer ] in replay/remat.py. Each run: 2 optimizer steps of
+replay/hooks.py and NOTE [ Gradients that bypass the next layer ] in replay/bypass.py. Each run: 2 optimizer steps of
 2 micro-batches of the tests' tiny Llama, dropout on.
 """
 
@@ -238,6 +238,6 @@ def test_control_without_the_arrival_note_a_tensor_hook_is_blamed_on_hidden_stat
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Checked after the user's tensor hook (before issue 41), the new gradient looked like a bypass."""
-    monkeypatch.setattr(remat, "_note_arrival", lambda arrival, grad: None)
+    monkeypatch.setattr(remat, "note_arrival", lambda arrival, grad: None)
     with pytest.raises(MisconfigurationException, match="other than through decoder layer 2"):
         _fit(_tensor_hook(2.0), "blockwise")

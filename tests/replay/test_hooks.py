@@ -1,7 +1,7 @@
 """Forward hooks and `output_hidden_states` under rematerialized layers: exact and once, or refused (issue 25).
 
 NOTE [ Forward hooks inside a rematerialized layer ] in replay/hooks.py and NOTE [ Gradients that bypass the next
-layer ] in replay/remat.py.
+layer ] in replay/bypass.py.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_hidden_states_in_the_loss_are_refused() -> None:
 def test_control_hidden_states_in_the_loss_differ_when_let_through(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let through, the gradients differ from resident training (the same sum in another order)."""
     _, expected = _fit("hidden", "auto")
-    monkeypatch.setattr(remat, "_refuse_a_bypass", lambda ctx, grad_output: None)
+    monkeypatch.setattr(remat, "refuse_a_bypass", lambda ctx, grad_output: None)
     _, run = _fit("hidden", "blockwise")
     assert runs_differ(expected, run)
 

@@ -10,6 +10,7 @@ reads; a recompute whose calls do not match the record computes them, exact eith
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.replay import remat
+from lightning_blockwise.replay import kept_attention, remat
 from lightning_blockwise.replay.kept_attention import KeptAttention
 from lightning_blockwise.strategy import step_budget as planner
 from lightning_blockwise.strategy.step_budget import StepPlan
@@ -209,3 +210,28 @@ def test_inputs_wait_in_host_memory_where_that_keeps_more_attention(
     assert strategy.step_plan is not None and strategy.step_plan.inputs is not None
     assert strategy.step_plan.inputs.for_kept and strategy.step_plan.offload
     assert_equal_runs(resident, blockwise)
+
+
+def test_a_layer_without_a_fused_attention_kernel_says_its_plan_goes_unused(
+    checkpoint: Path, attention_budget: tuple[int, StepPlan], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eager attention runs no SDPA kernel: nothing is recorded, the run is exact, and one warning says so."""
+
+    def eager() -> Any:
+        model = build_model("llama", checkpoint=checkpoint, quantized=True)
+        model.get_base_model().set_attn_implementation("eager")
+        return model
+
+    budget, _ = attention_budget
+    monkeypatch.setattr(kept_attention, "_WARNED", set())
+    resident = fit(CausalLMModule(eager), "auto", max_steps=2)
+    with pytest.warns(UserWarning, match="ran no fused attention kernel") as caught:
+        blockwise = fit(CausalLMModule(eager), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), max_steps=2)
+    assert_equal_runs(resident, blockwise)
+    assert sum("ran no fused attention kernel" in str(w.message) for w in caught) == 1
+    # Control: the same run with SDPA records every layer's attention and says nothing.
+    monkeypatch.setattr(kept_attention, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        fit(CausalLMModule(_nf4(checkpoint)), BlockwiseStrategy(vram_budget=budget, budget_tokens=TOKENS), max_steps=2)
+    assert not [w for w in quiet if "attention kernel" in str(w.message) or "record did not answer" in str(w.message)]
