@@ -5,6 +5,7 @@ The activations are :class:`~lightning_blockwise.planning.step_shape.StepShape`'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_blockwise.planning.step_shape import StepShape
@@ -96,6 +97,16 @@ class ResidencyPlan:
     def predicted_reserved(self) -> int:
         """The budget this plan needs: its predicted peak with the allocator's headroom."""
         return with_headroom(self.predicted_peak)
+
+    def covered_layers(self, block_layers: Sequence[int]) -> int:
+        """Layers that keep their graphs or their attention outputs (``block_layers``: each block's layers)."""
+        return sum(block_layers[block] for block in (*self.kept, *self.attention))
+
+    def skipped_flops(self, block_layers: Sequence[int], shape: StepShape) -> int:
+        """Forward FLOPs a step of ``shape`` skips: kept graphs' whole forwards, kept attention outputs' attention."""
+        kept = sum(block_layers[block] for block in self.kept)
+        attention = sum(block_layers[block] for block in self.attention)
+        return kept * shape.layer_flops() + attention * shape.attention_flops()
 
 
 def with_headroom(allocated: int) -> int:

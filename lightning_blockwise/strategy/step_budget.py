@@ -416,7 +416,8 @@ class StepBudget:
         host = min(self.num_layers, host_bytes // plan.shape.input_bytes())
         if plan.inputs.levels.k is not None or host <= plan.inputs.levels.host_count:
             return plan
-        if self._attention_bytes(plan.shape) is None or self._covered(plan) == self.num_layers:
+        layers = self.block_layers
+        if self._attention_bytes(plan.shape) is None or plan.residency.covered_layers(layers) == self.num_layers:
             return plan
         levels = InputLevels(self.num_layers - host, host, None)
         shape = self.shape(plan.tokens, False, levels)
@@ -425,17 +426,8 @@ class StepBudget:
         except ValueError:
             return plan
         moved = StepPlan(plan.tokens, residency, True, shape, inputs=replace(plan.inputs, levels=levels, for_kept=True))
-        return moved if self._skipped_flops(moved) > self._skipped_flops(plan) else plan
-
-    def _covered(self, plan: StepPlan) -> int:
-        """Layers of ``plan`` that keep their graphs or their attention outputs."""
-        return sum(self.block_layers[block] for block in (*plan.residency.kept, *plan.residency.attention))
-
-    def _skipped_flops(self, plan: StepPlan) -> int:
-        """Forward FLOPs that ``plan``'s kept graphs and kept attention outputs save a step."""
-        kept = sum(self.block_layers[block] for block in plan.residency.kept)
-        attention = sum(self.block_layers[block] for block in plan.residency.attention)
-        return kept * plan.shape.layer_flops() + attention * plan.shape.attention_flops()
+        skipped = moved.residency.skipped_flops(layers, moved.shape) > plan.residency.skipped_flops(layers, plan.shape)
+        return moved if skipped else plan
 
     def _choose_inputs(self, tokens: int, host_bytes: int) -> InputChoice:
         """Where the layer inputs at ``tokens`` tokens wait under the budget and ``host_bytes`` of host memory.
