@@ -21,7 +21,8 @@ is written once into ``--work`` (``load_benchmark.py make``; pre-quantized NF4 a
 Arms (``--arms``; a system and options joined by ``+``, see ``benchmarks/peer_arms/spec.py``):
 
 - ``ours``: ``BlockwiseStrategy()`` defaults, ``chunked_causal_lm_loss``; ``+liger`` Liger kernels,
-  ``+budget=7.5GB`` a ``vram_budget``, ``+offload``, ``+tiled``, ``+hfloss``, ``+det`` deterministic mode (also on
+  ``+budget=7.5GB`` a ``vram_budget``, ``+offload``, ``+tiled``, ``+hfloss``, ``+noattn`` no kept attention
+  outputs (NOTE [ Kept attention ]), ``+det`` deterministic mode (also on
   ``resident`` and ``peft``);
 - ``resident``: ``strategy="auto"``, no checkpointing, the chunked loss: the compute floor;
 - ``peft``: transformers + PEFT QLoRA, Hugging Face gradient checkpointing (non-reentrant), the chunked loss;

@@ -108,10 +108,12 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             would not fit the device without it. ``True``/``False`` force it. An integer ``m`` offloads the first
             ``m`` layers' inputs and keeps the rest on the device (host RAM short of every layer's input: NOTE
             [ Split layer inputs ]).
-        keep_activations: With a ``vram_budget``, blocks whose slabs and layers' autograd graphs fit it stay on the
-            device and run as in resident training, not recomputed in the backward (faster); the rest of the budget
-            keeps blocks resident only. ``False`` spends the whole budget on resident blocks, which is better where
-            the step waits on the host link (NOTE [ Kept activations ] in planning/memory.py).
+        keep_activations: With a ``vram_budget``, recomputed layers first keep their attention kernels' outputs
+            where a layer's attention is worth it (long context: NOTE [ Kept attention ] in replay/kept_attention.py),
+            then blocks whose slabs and layers' autograd graphs fit stay on the device and run as in resident
+            training, not recomputed in the backward (faster); the rest of the budget keeps blocks resident only.
+            ``False`` spends the whole budget on resident blocks, which is better where the step waits on the host
+            link (NOTE [ Kept activations ] in planning/memory.py).
         allow_unvalidated: Accept architectures outside
             :data:`~lightning_blockwise.architectures.VALIDATED_MODEL_TYPES`.
         save_frozen_base: Write the frozen base into checkpoints too (a self-contained file). By default a checkpoint
