@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 # NOTE [ Kept attention ]
 # A rematerialized layer runs its forward twice a step (NOTE [ Exact rematerialization ] in remat.py).
@@ -60,9 +59,20 @@ ATTENTION_OPERATORS: dict[Any, str | None] = {
 }
 
 
+def _leaves(value: Any) -> list[Any]:
+    """The values in ``value``'s nested tuples and lists (an operator's arguments and outputs nest no deeper)."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [leaf for leaf in _leaves(value) if isinstance(leaf, Tensor)]
+
+
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """What must match between the forward's call and the recompute's: each tensor's layout, the other arguments."""
-    leaves, _ = tree_flatten((args, sorted(kwargs.items())))
+    leaves = _leaves((args, sorted(kwargs.items())))
     return tuple(
         (leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, Tensor) else leaf for leaf in leaves
     )
@@ -113,8 +123,7 @@ class KeptAttention:
         total = 0
         for entry in self.entries:
             if entry is not None:
-                leaves, _ = tree_flatten(entry.outputs)
-                total += sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, Tensor))
+                total += sum(t.untyped_storage().nbytes() for t in _tensors(entry.outputs))
         return total
 
     def record(self) -> TorchDispatchMode:
@@ -142,9 +151,9 @@ class _Record(TorchDispatchMode):
         args, kwargs = _with_log_sumexp(func, args, kwargs)
         signature = _signature(args, kwargs)
         outputs = func(*args, **kwargs)
-        kept = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, outputs)
-        leaves, _ = tree_flatten(kept)
-        versions = tuple(t._version for t in leaves if isinstance(t, Tensor))
+        # Detached: the record holds the bits, not the forward's tensors (the recompute's autograd takes them over).
+        kept = tuple(t.detach() if isinstance(t, Tensor) else t for t in outputs)
+        versions = tuple(t._version for t in _tensors(kept))
         self.kept.entries.append(_Entry(func, signature, kept, versions))
         return outputs
 
@@ -173,8 +182,7 @@ class _Serve(TorchDispatchMode):
 
 
 def _unchanged(entry: _Entry) -> bool:
-    leaves, _ = tree_flatten(entry.outputs)
-    return tuple(t._version for t in leaves if isinstance(t, Tensor)) == entry.versions
+    return tuple(t._version for t in _tensors(entry.outputs)) == entry.versions
 
 
 @contextlib.contextmanager
