@@ -9,6 +9,9 @@ NOTE [ A layer's modules, listed once ]), so one process measures every arm on t
 - ``hooks``: the CPU time of one pass's hook handling (``hooks_once``, ``hooks_silenced``) at a 7B-shaped Qwen2
   layer with LoRA r16 on the seven projections (built on the meta device: the walk needs no weights), walked
   against listed;
+- ``attention``: the host time of one no-grad call of a LoRA'd Qwen2 layer (the ``tiny`` shape, so the host's cost
+  shows, not the matmuls') without a mode, inside kept attention's record (a dispatch mode over every operator,
+  NOTE [ Kept attention ]) and inside the next lever's candidate (entered around the SDPA call only);
 - ``step``: training steps of ``benchmarks.peer_arms.lightning_arm``'s arm (``ours+liger+fused`` by default: the
   issue's configuration) at each point, in four arms: ``before``, ``split_loss``, ``listed_hooks``, ``both``.
 
@@ -21,6 +24,7 @@ NOTE [ A layer's modules, listed once ]), so one process measures every arm on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 import timeit
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 import transformers
 from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks.peer_arms import lightning_arm, measure
@@ -41,10 +46,11 @@ from benchmarks.peer_arms.spec import CHUNK_TOKENS, parse_arm, parse_point
 from benchmarks.step_benchmark import SHAPES, TARGETS
 from lightning_blockwise.longcontext import loss as loss_module
 from lightning_blockwise.replay import hooks
+from lightning_blockwise.replay.kept_attention import KeptAttention
 
 #: The arms of the ``step`` part: which levers each runs with (the others put back as they were).
 ARMS = {"before": (), "split_loss": ("loss",), "listed_hooks": ("hooks",), "both": ("loss", "hooks")}
-PARTS = ("loss", "hooks", "step")
+PARTS = ("loss", "hooks", "step", "attention")
 
 
 def sliced_chunked_loss(
@@ -201,6 +207,57 @@ def hooks_part(shape: str, number: int) -> list[dict[str, Any]]:
     return rows
 
 
+class _AroundSdpa(TorchFunctionMode):
+    """The next lever's candidate: the kept-attention record entered around ``F.scaled_dot_product_attention`` only.
+
+    A torch-function mode sees each torch call of the layer once (not every ATen operator beneath it, as the
+    dispatch mode does); it enters the dispatch mode for the attention call alone.
+    """
+
+    def __init__(self, kept: KeptAttention) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            with self.kept.record():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def attention_part(number: int) -> list[dict[str, Any]]:
+    """Host microseconds of one no-grad call of a LoRA'd Qwen2 layer (the ``tiny`` shape: the host's cost, not the
+    matmuls') without a mode, inside the kept-attention record (NOTE [ Kept attention ]) and inside the candidate."""
+    config = _config("tiny")
+    config.num_hidden_layers = 1
+    model = get_peft_model(
+        transformers.AutoModelForCausalLM.from_config(config), LoraConfig(r=16, target_modules=TARGETS)
+    )
+    decoder = model.get_base_model().get_decoder()
+    layer = decoder.layers[0]
+    hidden = torch.randn(1, 16, config.hidden_size)
+    positions = torch.arange(16)[None]
+    embeddings = decoder.rotary_emb(hidden, positions)
+
+    def call(mode: Any) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad(), mode():
+                layer(hidden, attention_mask=None, position_embeddings=embeddings, position_ids=positions)
+
+        return run
+
+    arms = {
+        "none": contextlib.nullcontext,
+        "recorded": lambda: KeptAttention().record(),
+        "around_sdpa": lambda: _AroundSdpa(KeptAttention()),
+    }
+    rows = []
+    for arm, mode in arms.items():
+        best = min(timeit.repeat(call(mode), number=number, repeat=5)) / number
+        rows.append({"part": "attention", "shape": "tiny", "arm": arm, "us": 1e6 * best})
+    return rows
+
+
 def step_part(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     """Each point's training steps in each arm of :data:`ARMS`, one model built once."""
     arm = parse_arm(args.arm)
@@ -242,11 +299,17 @@ def main(argv: list[str] | None = None) -> None:
             for row in loss_part(args.shape, tokens, device, repeats=5):
                 measure.emit({**row, **settings}, args.out)
                 rows.append(row)
+    if "attention" in args.parts:
+        for row in attention_part(number=50):
+            measure.emit({**row, **settings}, args.out)
+            rows.append(row)
     if "step" in args.parts:
         rows += step_part(args, device)
     print("\n| part | where | arm | value |\n| --- | --- | --- | --- |")
     for row in rows:
-        if row["part"] == "hooks":
+        if row["part"] == "attention":
+            print(f"| attention | a no-grad layer call's host time | {row['arm']} | {row['us']:.1f} us |")
+        elif row["part"] == "hooks":
             print(f"| hooks | {row['pass']} ({row['modules']} modules) | {row['arm']} | {row['us']:.1f} us |")
         elif row["part"] == "loss":
             peak = "" if row["peak_added_gb"] is None else f", +{row['peak_added_gb']:.2f} GB peak"

@@ -38,7 +38,7 @@ def test_the_sliced_loss_is_the_split_ones_value() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-@pytest.mark.parametrize("part", ["hooks", "loss", "step"])
+@pytest.mark.parametrize("part", ["hooks", "loss", "step", "attention"])
 def test_every_part_runs_on_the_cpu(part: str, tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     small_levers.main(
@@ -46,7 +46,22 @@ def test_every_part_runs_on_the_cpu(part: str, tmp_path: Path) -> None:
          "--arm", "ours+fused", "--steps", "1", "--out", str(out)]
     )  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    arms = {"hooks": {"walked", "listed"}, "loss": {"sliced", "split"}, "step": set(small_levers.ARMS)}[part]
+    arms = {"hooks": {"walked", "listed"}, "loss": {"sliced", "split"}, "step": set(small_levers.ARMS),
+            "attention": {"none", "recorded", "around_sdpa"}}[part]  # fmt: skip
     assert {row["arm"] for row in rows} == arms and all(row["part"] == part for row in rows)
     if part == "step":
         assert all(row["status"] == "ok" and row["s_per_step"] > 0 for row in rows)
+
+
+def test_the_candidate_records_what_the_dispatch_mode_records() -> None:
+    """The attention part's candidate (entered around SDPA only) records the same kernel outputs, bit for bit."""
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    records = []
+    for mode in (lambda kept: kept.record(), small_levers._AroundSdpa):
+        kept = small_levers.KeptAttention()
+        with torch.no_grad(), mode(kept):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        records.append(kept.entries)
+    (first,), (second,) = records
+    assert first is not None and second is not None and first.func is second.func
+    assert all(torch.equal(a, b) for a, b in zip(first.outputs, second.outputs, strict=True))
