@@ -7,6 +7,7 @@ ranks run every arm in turn, each a fresh module and Trainer over the one proces
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import RunResult, assert_equal_runs, runs_differ
+from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.strategy import step_budget
+from tests.helpers.budgets import budget_where, keeps_every_attention
+from tests.helpers.models import (
+    NUM_LAYERS,
+    SEQ,
+    CausalLMModule,
+    RunResult,
+    assert_equal_runs,
+    build_model,
+    fit,
+    runs_differ,
+)
 from tests.helpers.ranks import ROOT, assert_succeeded, clean_env, free_port, run_ranks
 
 # The names tests/distributed/test_nodes.py and tests/gpu/test_gpu_data_parallel.py import from here.
@@ -75,6 +88,21 @@ def three(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_arms(out / "launch", 3, arms).parent
 
 
+def _attention_budget(checkpoint: Path) -> int:
+    """A budget under which a rank of a 2-rank run streams every block, each layer keeping its attention outputs.
+
+    Planned in this process as a rank plans it: DDP's gradient buckets count as fixed bytes (`StepBudget.for_module`).
+    """
+    probe = BlockwiseStrategy(budget_tokens=2 * SEQ)
+    fit(CausalLMModule(lambda: build_model("llama", checkpoint, quantized=True, lora_dropout=0.0)), probe, max_steps=1)
+    assert probe._planner is not None
+    budget = probe._planner.budget
+    ranks = dataclasses.replace(budget, fixed_bytes=budget.fixed_bytes + budget.trainable_bytes)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_budget, "KEPT_ATTENTION_MIN_FLOPS", 0)
+        return budget_where(ranks, 2 * SEQ, keeps_every_attention(NUM_LAYERS))[0]
+
+
 @pytest.fixture(scope="module")
 def two(checkpoint: Path, llama_no_attention_dropout: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every 2-rank arm of this file in one launch; arm X's ranks saved in two/X."""
@@ -95,6 +123,7 @@ def two(checkpoint: Path, llama_no_attention_dropout: Path, tmp_path_factory: py
         "windowed": (bare, "blockwise", "--block-major", *windows),
         "windowed_ddp": (bare, "ddp", *windows),
         "windowed_local": (bare, "blockwise", "--block-major", "--no-reduce", *windows),
+        "kept_attention": (bare, "blockwise", "--kept-attention-budget", str(_attention_budget(bare)), *windows),
     }
     run_arms(
         out / "launch",
@@ -166,6 +195,17 @@ def test_block_major_on_two_ranks_exact_against_ddp(two: Path) -> None:
     local = _results(two / "windowed_local", 2)
     assert runs_differ(ddp[0], local[0]) and runs_differ(ddp[1], local[1])
     assert any(not torch.equal(grad, local[1].grads[0][name]) for name, grad in local[0].grads[0].items())
+
+
+def test_kept_attention_on_two_ranks_exact_against_ddp(two: Path) -> None:
+    """Every layer keeping its attention outputs (NOTE [ Kept attention ]) on 2 ranks is `torch.equal` to
+    `strategy="ddp"` (the block-major test's ddp arm: the same data, accumulation and dropout). The control of the
+    reduction is that test's; the records are this one's: both ranks planned attention outputs for every layer."""
+    kept, ddp = _results(two / "kept_attention", 2), _results(two / "windowed_ddp", 2)
+    for rank, record in enumerate(_roles(two / "kept_attention", 2)):
+        assert record["attention"] == list(range(NUM_LAYERS))
+        assert_equal_runs(ddp[rank], kept[rank])
+    assert all(record["attention"] == [] for record in _roles(two / "windowed", 2))  # control: none planned there
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="host copies are shared on Linux only")

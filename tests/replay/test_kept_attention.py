@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import kept_attention, remat
@@ -27,7 +26,7 @@ from lightning_blockwise.strategy import step_budget as planner
 from lightning_blockwise.strategy.step_budget import StepPlan
 from tests.helpers.attention import CountAttention, record_one_bit_off
 from tests.helpers.budgets import budget_where, keeps_every_attention
-from tests.helpers.models import CONFIGS, SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
+from tests.helpers.models import SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
 NUM_LAYERS = 4
 TOKENS = 2 * SEQ
@@ -42,14 +41,9 @@ def no_flops_floor() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(llama_no_attention_dropout: Path) -> Path:
     """The tests' tiny Llama without attention dropout (a call with dropout is never kept)."""
-    path = tmp_path_factory.mktemp("llama_no_attention_dropout")
-    torch.manual_seed(0)
-    config = CONFIGS["llama"]()
-    config.attention_dropout = 0.0
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
+    return llama_no_attention_dropout
 
 
 def _nf4(checkpoint: Path) -> Any:
