@@ -17,17 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy import step_budget
-from tests.helpers.budgets import budget_where, keeps_every_attention
+from tests.helpers.budgets import budget_where, keeps_every_attention, probed_budget
 from tests.helpers.models import (
     NUM_LAYERS,
     SEQ,
-    CausalLMModule,
     RunResult,
     assert_equal_runs,
     build_model,
-    fit,
     runs_differ,
 )
 from tests.helpers.ranks import ROOT, assert_succeeded, clean_env, free_port, run_ranks
@@ -93,10 +90,7 @@ def _attention_budget(checkpoint: Path) -> int:
 
     Planned in this process as a rank plans it: DDP's gradient buckets count as fixed bytes (`StepBudget.for_module`).
     """
-    probe = BlockwiseStrategy(budget_tokens=2 * SEQ)
-    fit(CausalLMModule(lambda: build_model("llama", checkpoint, quantized=True, lora_dropout=0.0)), probe, max_steps=1)
-    assert probe._planner is not None
-    budget = probe._planner.budget
+    budget = probed_budget(lambda: build_model("llama", checkpoint, quantized=True, lora_dropout=0.0), 2 * SEQ)
     ranks = dataclasses.replace(budget, fixed_bytes=budget.fixed_bytes + budget.trainable_bytes)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_budget, "KEPT_ATTENTION_MIN_FLOPS", 0)

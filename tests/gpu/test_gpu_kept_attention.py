@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy import step_budget as planner
@@ -37,15 +36,8 @@ ACCUMULATE = 2
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen2")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(GPU_SHAPES["qwen2"](), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+def checkpoint(qwen2_checkpoint: Path) -> Path:
+    return qwen2_checkpoint
 
 
 def _fit(path: Path, strategy: Any) -> tuple[Any, Counter[str]]:

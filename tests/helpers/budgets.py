@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
+from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
+from tests.helpers.models import CausalLMModule, fit
+
+
+def probed_budget(build: Callable[[], Any], tokens: int) -> StepBudget:
+    """The step budget ``BlockwiseStrategy`` sets up for ``build()``'s model at ``tokens`` (a one-step fit)."""
+    probe = BlockwiseStrategy(budget_tokens=tokens)
+    fit(CausalLMModule(build), probe, max_steps=1)
+    assert probe._planner is not None
+    return probe._planner.budget
 
 
 def budget_where(

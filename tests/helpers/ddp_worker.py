@@ -118,9 +118,8 @@ def run_arm(args: argparse.Namespace) -> None:
         )
     module = CausalLMModule(build)
     if args.strategy == "blockwise":
-        if args.kept_attention_budget is not None:
-            # NOTE [ Kept attention ]: the tiny layers' attention is far under the floor a real card needs.
-            step_budget.KEPT_ATTENTION_MIN_FLOPS = 0
+        # NOTE [ Kept attention ]: the tiny layers' attention is far under the floor a real card needs (this arm only).
+        step_budget.KEPT_ATTENTION_MIN_FLOPS = 0 if args.kept_attention_budget is not None else _FLOPS_FLOOR
         strategy = BlockwiseStrategy(
             vram_budget=args.kept_attention_budget, ddp_kwargs=args.ddp_kwargs,
             block_major_accumulation=args.block_major,
@@ -157,6 +156,8 @@ def run_arm(args: argparse.Namespace) -> None:
     shared["attention"] = [] if plan is None else list(plan.residency.attention)
     (args.out / f"rank{module.trainer.global_rank}.json").write_text(json.dumps({**shared, "windows": _WINDOWS}))
 
+
+_FLOPS_FLOOR = step_budget.KEPT_ATTENTION_MIN_FLOPS
 
 #: Each block-major window backward of the arm, in order: whether it fired the adapters' hooks once (DDP's).
 _WINDOWS: list[bool] = []

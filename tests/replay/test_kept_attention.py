@@ -23,9 +23,9 @@ from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import kept_attention, remat
 from lightning_blockwise.replay.kept_attention import KeptAttention
 from lightning_blockwise.strategy import step_budget as planner
-from lightning_blockwise.strategy.step_budget import StepPlan
+from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
 from tests.helpers.attention import CountAttention, record_one_bit_off
-from tests.helpers.budgets import budget_where, keeps_every_attention
+from tests.helpers.budgets import budget_where, keeps_every_attention, probed_budget
 from tests.helpers.models import SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ
 
 NUM_LAYERS = 4
@@ -51,12 +51,15 @@ def _nf4(checkpoint: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def attention_budget(checkpoint: Path) -> tuple[int, StepPlan]:
+def probed(checkpoint: Path) -> StepBudget:
+    """The step budget the strategy sets up for the test model at :data:`TOKENS` (one probe for the module)."""
+    return probed_budget(_nf4(checkpoint), TOKENS)
+
+
+@pytest.fixture(scope="module")
+def attention_budget(probed: StepBudget) -> tuple[int, StepPlan]:
     """A budget under which every block streams and is recomputed, keeping its attention outputs."""
-    probe = BlockwiseStrategy(budget_tokens=TOKENS)
-    fit(CausalLMModule(_nf4(checkpoint)), probe, max_steps=1)
-    assert probe._planner is not None
-    return budget_where(probe._planner.budget, TOKENS, keeps_every_attention(NUM_LAYERS))
+    return budget_where(probed, TOKENS, keeps_every_attention(NUM_LAYERS))
 
 
 def _attention_calls(strategy: Any, checkpoint: Path) -> tuple[Any, int]:
@@ -148,12 +151,9 @@ def test_a_matching_call_is_answered_with_the_recorded_bits() -> None:
     assert torch.equal(grad, grad_reference)
 
 
-def test_the_planner_keeps_attention_before_graphs(checkpoint: Path, attention_budget: tuple[int, StepPlan]) -> None:
+def test_the_planner_keeps_attention_before_graphs(probed: StepBudget, attention_budget: tuple[int, StepPlan]) -> None:
     budget, plan = attention_budget
-    probe = BlockwiseStrategy(budget_tokens=TOKENS)
-    fit(CausalLMModule(_nf4(checkpoint)), probe, max_steps=1)
-    assert probe._planner is not None
-    step_budget = dataclasses.replace(probe._planner.budget, budget=budget, keep_activations=True)
+    step_budget = dataclasses.replace(probed, budget=budget, keep_activations=True)
     assert "4 recomputed layers keep their attention outputs" in step_budget.describe(plan)
     # A larger budget keeps whole graphs from the first block on; those blocks give their attention outputs back.
     larger = None
@@ -176,14 +176,9 @@ def test_the_planner_keeps_attention_before_graphs(checkpoint: Path, attention_b
     assert not dataclasses.replace(step_budget, config=config).plan(TOKENS).residency.attention
 
 
-def test_inputs_wait_in_host_memory_where_that_keeps_more_attention(
-    checkpoint: Path, attention_budget: tuple[int, StepPlan]
-) -> None:
+def test_inputs_wait_in_host_memory_where_that_keeps_more_attention(checkpoint: Path, probed: StepBudget) -> None:
     """Where the card cannot hold every layer's attention outputs beside the inputs, the inputs move out; exact."""
-    probe = BlockwiseStrategy(budget_tokens=TOKENS)
-    fit(CausalLMModule(_nf4(checkpoint)), probe, max_steps=1)
-    assert probe._planner is not None
-    step_budget = dataclasses.replace(probe._planner.budget, budget=None, choose_inputs=True)
+    step_budget = dataclasses.replace(probed, budget=None, choose_inputs=True)
 
     def moved(plan: StepPlan) -> bool:
         return plan.inputs is not None and plan.inputs.for_kept
