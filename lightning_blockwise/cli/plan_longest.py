@@ -26,6 +26,7 @@ from lightning_blockwise.planning.longest import (
 )
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT
 from lightning_blockwise.planning.recommend import SMALLEST_CARD, Recommendation, recommend
+from lightning_blockwise.planning.step_shape import StepShape
 from lightning_blockwise.residency.arena import HOST_RAM_RESERVE
 
 #: The memories a length can run out of, in the order they are checked and named.
@@ -203,9 +204,7 @@ def config_matmul_params(config: Any, num_layers: int) -> int:
 
 def _layer_params(config: Any) -> int:
     """Weights of one decoder layer's linears (Llama-style): the attention's four and the MLP's three."""
-    config = _text(config)
-    hidden, attention = config.hidden_size, attention_size(config)
-    return 2 * hidden * attention + 2 * hidden * _kv_size(config) + 3 * hidden * config.intermediate_size
+    return StepShape.for_config(config, tokens=1, num_layers=1).linear_params()
 
 
 def _recomputed_params(sizes: ModelSizes, advice: Recommendation) -> int:
@@ -232,13 +231,6 @@ def attention_size(config: Any) -> int:
     config = _text(config)
     heads = config.num_attention_heads
     return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-
-
-def _kv_size(config: Any) -> int:
-    config = _text(config)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return kv_heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def _with_card(advice: Recommendation, card: int) -> Recommendation:

@@ -174,13 +174,13 @@ def plan_residency(
     # Attention outputs first, from the last block down: they save the most compute per byte (NOTE [ Kept
     # attention ]); then whole graphs from the first block on, each replacing its block's attention outputs.
     attention = attention_bytes or []
-    with_attention: list[int] = []
+    with_attention: set[int] = set()
     kept_bytes = 0
     for block in reversed(range(len(attention))):
         if not fits(0, kept_bytes + attention[block]):
             break
         kept_bytes += attention[block]
-        with_attention.append(block)
+        with_attention.add(block)
     graphs = graph_bytes or []
     kept = 0
     while kept < len(graphs):

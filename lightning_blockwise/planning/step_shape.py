@@ -371,12 +371,15 @@ class StepShape:
         width = self.hidden_size if self.query_size is None else self.query_size
         return 2 * self.tokens**2 * width
 
-    def layer_flops(self) -> int:
-        """FLOPs of one layer's forward: its Llama-style linears' matmuls and its attention."""
+    def linear_params(self) -> int:
+        """Weights of one decoder layer's linears (Llama-style): the attention's four and the MLP's three."""
         width = self.hidden_size if self.query_size is None else self.query_size
         kv_size = self.hidden_size if self.kv_size is None else self.kv_size
-        params = 2 * self.hidden_size * (width + kv_size) + 3 * self.hidden_size * self.intermediate_size
-        return 2 * self.tokens * params + self.attention_flops()
+        return 2 * self.hidden_size * (width + kv_size) + 3 * self.hidden_size * self.intermediate_size
+
+    def layer_flops(self) -> int:
+        """FLOPs of one layer's forward: its linears' matmuls and its attention."""
+        return 2 * self.tokens * self.linear_params() + self.attention_flops()
 
     def layer_graph(self) -> int:
         """Predicted bytes of one decoder layer's autograd graph (what a resident layer keeps until its backward).

@@ -185,12 +185,22 @@ def _unchanged(entry: _Entry) -> bool:
     return tuple(t._version for t in _tensors(entry.outputs)) == entry.versions
 
 
-@contextlib.contextmanager
-def recording(kept: KeptAttention | None) -> Iterator[None]:
+#: What :func:`recording` and :func:`serving` give for a layer that keeps nothing: one shared no-op, every layer call.
+_NOTHING = contextlib.nullcontext()
+
+
+def recording(kept: KeptAttention | None) -> contextlib.AbstractContextManager[None]:
     """Record the attention outputs of the forward inside into ``kept`` (``None``: record nothing)."""
-    if kept is None:
-        yield
-        return
+    return _NOTHING if kept is None else _recorded(kept)
+
+
+def serving(kept: KeptAttention | None) -> contextlib.AbstractContextManager[None]:
+    """Answer the recompute's attention calls inside from ``kept`` (``None``: compute them)."""
+    return _NOTHING if kept is None else _served(kept)
+
+
+@contextlib.contextmanager
+def _recorded(kept: KeptAttention) -> Iterator[None]:
     with kept.record():
         yield
     if not kept.entries:
@@ -204,11 +214,7 @@ def recording(kept: KeptAttention | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def serving(kept: KeptAttention | None) -> Iterator[None]:
-    """Answer the recompute's attention calls inside from ``kept`` (``None``: compute them)."""
-    if kept is None:
-        yield
-        return
+def _served(kept: KeptAttention) -> Iterator[None]:
     with kept.serve():
         yield
     if kept.misses:

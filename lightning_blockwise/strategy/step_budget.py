@@ -503,11 +503,14 @@ class StepBudget:
             attention_bytes=self._attention_bytes(shape),
         )
 
+    @property
+    def _keeps(self) -> bool:
+        """Whether plans keep activations at all: the option, a budget, blocks, no block-major window."""
+        return self.keep_activations and self.budget is not None and bool(self.block_layers) and self.window == 1
+
     def _graph_bytes(self, shape: StepShape) -> list[int] | None:
         """Each block's layers' graphs, when blocks may keep them (NOTE [ Kept activations ])."""
-        if not self.keep_activations or self.budget is None or not self.block_layers or self.window > 1:
-            return None
-        return [layers * shape.layer_graph() for layers in self.block_layers]
+        return [layers * shape.layer_graph() for layers in self.block_layers] if self._keeps else None
 
     def _attention_bytes(self, shape: StepShape) -> list[int] | None:
         """Each block's layers' attention outputs, when recomputed layers may keep them (NOTE [ Kept attention ]).
@@ -518,9 +521,9 @@ class StepBudget:
         """
         if not self.keep_attention or shape.checkpoint_every is not None or _attention_dropout(self.config):
             return None
-        if shape.attention_flops() < KEPT_ATTENTION_MIN_FLOPS:
+        if not self._keeps or shape.attention_flops() < KEPT_ATTENTION_MIN_FLOPS:
             return None
-        return None if self._graph_bytes(shape) is None else [n * shape.kept_attention() for n in self.block_layers]
+        return [layers * shape.kept_attention() for layers in self.block_layers]
 
     def layer_graph(self, tokens: int) -> int:
         """Bytes of one layer's autograd graph at ``tokens`` tokens (what a resident layer keeps)."""
