@@ -58,7 +58,7 @@ class ModulePlacement:
         embedding_module = stack.model.get_input_embeddings()
         on_host = []
         if embedding_module is not None and embedding.can_stay_on_host(embedding_module, module):
-            embedding.install(embedding_module, device)
+            embedding.install(embedding_module, device, stack.model)
             on_host.append(embedding_module)
         move_rest_to_device(module, stack, device, skip=on_host)
         self._on_host = on_host
