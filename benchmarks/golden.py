@@ -1,7 +1,9 @@
 """Golden outputs for behaviour-preserving refactors: run before and after, compare the files.
 
 Writes into a directory: `plan-<model>.json` (`lightning-blockwise plan --json` for each model of
-`configs/` at its published shape), `layout-<arch>.json` (every slab entry's names, dtype, shape,
+`configs/` at its published shape), `step-plans.json` (the step planner's plan and log line for the 7B and 72B
+shapes over token counts, budgets, host memory and the options that change what it chooses: kept graphs and
+attention, Liger, where the layer inputs wait), `layout-<arch>.json` (every slab entry's names, dtype, shape,
 offset and size per validated architecture, NF4 tiny model, block size 2), `setup.log` (the
 strategy's setup line for each architecture) and `demo-losses.json` (every training step's loss of
 the demo config, 24 steps).
@@ -35,6 +37,45 @@ def plans(out: Path) -> None:
                 plan_args = ["--seq-len", "1024", "--gpu-memory", "24GiB", "--kernels", "none", "--json"]
                 cli_main(["plan", directory, *plan_args])
             (out / f"plan-{name}.json").write_text(buffer.getvalue())
+
+
+def step_plans(out: Path) -> None:
+    import dataclasses
+
+    from lightning_blockwise.planning.shapes import shape_config
+    from lightning_blockwise.planning.sizing import model_sizes
+
+    rows = []
+    for shape in ("7b", "72b"):
+        sizes = model_sizes(shape_config(shape), dtype=torch.bfloat16, lora_rank=16)
+        for gib in (None, 8, 16, 21.3, 60):
+            for liger in (False, True):
+                budget = None if gib is None else int(gib * 2**30)
+                options = {"fused_norm": liger, "fused_mlp": liger}
+                try:
+                    planned = sizes.step_budget(budget=budget, loss_chunk_tokens=1024, **options)
+                except ValueError as error:
+                    rows.append({"shape": shape, "gib": gib, "liger": liger, "refused": str(error)})
+                    continue
+                for choose, card in ((True, True), (False, False)):
+                    step = dataclasses.replace(planned, adapter_dropout=False, card=card, choose_inputs=choose)
+                    for tokens in (1024, 4096, 16384, 32768, 131072):
+                        for host in (0, 8 * 2**30, 100 * 10**9):
+                            key = {"shape": shape, "gib": gib, "liger": liger, "choose": choose, "tokens": tokens}
+                            key["host"] = host
+                            try:
+                                plan = step.plan(tokens, host_bytes=host)
+                            except ValueError as error:
+                                rows.append({**key, "refused": str(error)})
+                                continue
+                            residency, inputs = plan.residency, plan.inputs
+                            rows.append({
+                                **key, "line": step.describe(plan), "over_card": plan.over_card,
+                                "resident": list(residency.resident), "kept": list(residency.kept),
+                                "attention": list(residency.attention), "peak": residency.predicted_peak,
+                                "offload": plan.offload, "levels": None if inputs is None else list(inputs.levels),
+                            })  # fmt: skip
+    (out / "step-plans.json").write_text(json.dumps(rows, indent=1))
 
 
 def layouts_and_setup(out: Path) -> None:
@@ -106,5 +147,6 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     target.mkdir(parents=True, exist_ok=True)
     plans(target)
+    step_plans(target)
     layouts_and_setup(target)
     demo_losses(target)

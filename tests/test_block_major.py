@@ -33,7 +33,7 @@ import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.block_major import WindowError
-from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.residency.stream_observer import StreamObserver
 from lightning_blockwise.strategy.accumulation import BlockMajorSteps
 from lightning_blockwise.strategy.batch_comparison import batches_differ
 from tests.helpers.models import (

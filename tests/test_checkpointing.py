@@ -188,7 +188,7 @@ def _shuffled(stateful: bool = True) -> StatefulDataLoader | torch.utils.data.Da
     """A shuffling loader over BATCHES padded batches that never draws from the global RNG.
 
     The stateful form is how an exactly resumable loader is built with torchdata (see NOTE
-    [ Resumable data order ] in data.py): its stateful sampler with a generator of its own, and
+    [ Resumable data order ] in recipes/sampling.py): its stateful sampler with a generator of its own, and
     another generator for the loader's base seed.
     """
     batches = padded_batches(BATCHES)

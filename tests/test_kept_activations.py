@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.strategy.step_budget import StepPlan
+from lightning_blockwise.planning.step_plan import StepPlan
 from tests.helpers.callbacks import ForwardCounts
 from tests.helpers.models import (
     SEQ,

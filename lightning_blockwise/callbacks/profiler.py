@@ -59,7 +59,7 @@ class BlockwiseProfiler(FollowsTrainer, Callback):
     one bar per block, so you can see whether the transfers hide under compute.
 
     Timing reads CUDA events lazily and synchronizes only once per logged step (NOTE [ Profiler
-    timing ] in profiling_trace.py); the profiler changes neither the computation nor the data
+    timing ] in profiling/trace.py); the profiler changes neither the computation nor the data
     the run sees. The strategy hands its observer to every streamer it builds
     (:meth:`~lightning_blockwise.BlockwiseStrategy.set_observer`), so the profiler sets it once
     per fit. The measuring is done by :mod:`lightning_blockwise.profiling.trace` and

@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, modelled_kernels, plan_parser
+from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, PLAN_COMMAND, plan_parser
+from lightning_blockwise.cli.plan_kernels import modelled_kernels
 from lightning_blockwise.cli.plan_nodes import add_nodes_argument, check_nodes, nodes_fields, throughput_fields
 from lightning_blockwise.planning.shapes import DOCUMENTED_SHAPES, shape_config
 
@@ -149,7 +150,7 @@ def plan_report(
             (:func:`~lightning_blockwise.longcontext.attention.tile_attention`); ``None``: untiled.
         kernels: ``--kernels``: ``"liger"`` counts Liger-Kernel's RMSNorm and RoPE, which keep no fp32 copies of
             the norms' inputs, and its SwiGLU where the MLPs are untiled; ``"auto"`` the same where Liger-Kernel is
-            installed here; ``"none"`` the model's own layers (NOTE [ The kernels plan counts ] in plan_arguments.py).
+            installed here; ``"none"`` the model's own layers (NOTE [ The kernels plan counts ] in plan_kernels.py).
         masked_row: ``--masked-attention``: the rows (of this many tokens) are padded or packed, so attention runs
             with a mask (NOTE [ Masked attention ] in planning/step_shape.py); ``None``: causal rows.
 

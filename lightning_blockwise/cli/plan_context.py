@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES, modelled_kernels
+from lightning_blockwise.cli.plan_arguments import OFFLOAD_CHOICES
+from lightning_blockwise.cli.plan_kernels import modelled_kernels
 from lightning_blockwise.cli.plan_longest import Machine, context_table, longest_context
 from lightning_blockwise.cli.plan_table import fit_fields, longest_text, table_markdown
 from lightning_blockwise.planning.recommend import SMALLEST_CARD

@@ -17,7 +17,7 @@ def kernels_setting(advice: Recommendation) -> str | None:
     """``CausalLMFineTune``'s ``kernels`` to set for a plan: ``"liger"`` where it counts Liger's RMSNorm, else ``None``.
 
     A run without Liger's kernels needs more memory than such a plan, and ``kernels="liger"`` refuses to start without
-    Liger-Kernel where ``"auto"`` would go on without it (NOTE [ The kernels plan counts ] in plan_arguments.py).
+    Liger-Kernel where ``"auto"`` would go on without it (NOTE [ The kernels plan counts ] in plan_kernels.py).
     """
     return "liger" if advice.fused_norm else None
 

@@ -80,6 +80,7 @@ TWINNED = frozenset(
         "recipes",
         "recipes.data",
         "recipes.finetune",
+        "recipes.finetune_build",
         "recipes.finetune_model",
         "recipes.generation",
         "recipes.rank_zero_export",

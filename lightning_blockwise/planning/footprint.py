@@ -11,11 +11,12 @@ from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig
 
-from lightning_blockwise.planning import BlockPlan, ResidencyPlan, StepShape
+from lightning_blockwise.planning import ResidencyPlan, StepShape
 from lightning_blockwise.planning.memory import HOPPER_BLAS_WORKSPACE
+from lightning_blockwise.planning.step_budget import StepBudget, blas_threads
 from lightning_blockwise.residency.arena import slab_offsets
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.layout import ALIGNMENT, tensor_offsets
-from lightning_blockwise.strategy.step_budget import StepBudget, blas_threads
 
 
 def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
@@ -159,7 +160,8 @@ class ModelSizes:
             window: ``accumulate_grad_batches`` with block-major accumulation (its workers' cuBLAS workspaces and
                 micro-batches' saved inputs count), else 1.
             attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
-            fused_norm: The RMSNorms run Liger's kernel (what ``StepBudget.for_module`` reads from a model with it).
+            fused_norm: The RMSNorms run Liger's kernel (what ``strategy.module_budget.module_budget`` reads from a
+                model with it).
             fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
             masked_row: Tokens per row where attention runs with a mask (``StepBudget.masked_row``); ``None``: causal.
 

@@ -113,7 +113,7 @@ def fewest_on_card(layers: int, host_count: int) -> InputLevels:
     """The levels with the fewest inputs on the card at a step's peak, at most ``host_count`` in host memory.
 
     What a step that no card budget holds falls back to where host memory cannot take every input (NOTE [ Where
-    layer inputs wait ] in strategy/step_budget.py); of equal counts the cheaper one (no ``k``, then the smallest,
+    layer inputs wait ] in planning/input_choice.py); of equal counts the cheaper one (no ``k``, then the smallest,
     and the fewest in host memory).
 
     Args:

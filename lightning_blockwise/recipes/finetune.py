@@ -12,45 +12,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from peft import PeftModel
 from torch import Tensor
 
-from lightning_blockwise.adapters.dora_norm import factor_dora_norms
-from lightning_blockwise.export.adapter import check_export_target, clean_export_leftovers, export_adapter
-from lightning_blockwise.export.training_record import CHECKPOINT_RECORD_KEY, TrainingRecord
-from lightning_blockwise.longcontext.attention import tile_attention
-from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
-from lightning_blockwise.longcontext.tiling import tile_mlps
+from lightning_blockwise.export.adapter import check_export_target, export_adapter
+from lightning_blockwise.export.training_record import TrainingRecord
 from lightning_blockwise.recipes import base_record
-from lightning_blockwise.recipes.finetune_model import (
-    add_adapters,
-    check_adapter_dir,
-    check_attention_tiles,
-    load_base,
-)
-from lightning_blockwise.recipes.kernel_choice import (
-    check_fused_lora_adapter,
-    check_kernels_device,
-    check_resumed_kernels,
-    install_kernels,
-    kernel_choice,
-    resolve_auto,
-)
-from lightning_blockwise.recipes.optimizers import OPTIMIZER_KEY, build_optimizer, check_resumed_optimizer
-from lightning_blockwise.recipes.packing import check_packed_attention, is_packed
+from lightning_blockwise.recipes.finetune_build import build_model
+from lightning_blockwise.recipes.finetune_checkpoint import record_run, recorded_kernels, resume_fit
+from lightning_blockwise.recipes.finetune_loss import batch_loss
+from lightning_blockwise.recipes.kernel_choice import check_resumed_kernels, kernel_choice
+from lightning_blockwise.recipes.optimizers import build_optimizer
 from lightning_blockwise.recipes.rank_zero_export import export_on_rank_zero
 from lightning_blockwise.recipes.recipe_options import check_recipe_options
 from lightning_blockwise.recipes.schedules import warmup_cosine
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
-
-#: The checkpoint key of the kernels the model computed with (:meth:`CausalLMFineTune.on_load_checkpoint`).
-_KERNELS_KEY = "lightning_blockwise_kernels"
-#: The checkpoint key of where the run exports its adapter (NOTE [ A resume cleans its run's export ] in
-#: export/adapter.py).
-_ADAPTER_DIR_KEY = "lightning_blockwise_adapter_dir"
 
 
 class CausalLMFineTune(pl.LightningModule):
@@ -217,43 +195,9 @@ class CausalLMFineTune(pl.LightningModule):
             return
         hp = self.hparams
         self._record = base_record.module_record(hp.checkpoint, hp.compute_dtype, hp.quantize, hp.random_init)
-        if hp.adapter_path is not None:
-            # Before the base loads (minutes at 72B), not after.
-            check_adapter_dir(hp.adapter_path)
-            check_fused_lora_adapter(self._kernels, hp.adapter_path)
-            base_record.check_adapter_base(hp.adapter_path, self._record, hp.allow_other_base)
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        # Before the base loads; Liger's installed forwards would refuse the first batch anyway.
-        device_type = None if strategy is None else strategy.root_device.type
-        check_kernels_device(self._kernels, device_type)
-        if self.attention_tile_tokens is not None:
-            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-            check_attention_tiles(hp.checkpoint, self.attention_tile_tokens, datamodule)
-        base = load_base(hp.checkpoint, hp.loader, hp.compute_dtype, hp.quantize, hp.random_init, strategy)
-        self.model = add_adapters(
-            base, hp.adapter_path, hp.lora_r, hp.lora_alpha, hp.lora_dropout, hp.target_modules, hp.use_dora
+        self.model, self._installed_kernels = build_model(
+            hp, self._kernels, self._record, self.mlp_tile_tokens, self.attention_tile_tokens, self._trainer
         )
-        if hp.dora_norm == "factored":
-            factor_dora_norms(self.model)
-        kernels = self._kernels
-        if kernels is None:  # "auto": decided once, here, so every strategy trains the same function
-            kernels = resolve_auto(self.model, device_type, self.mlp_tile_tokens)
-        install_kernels(self.model, kernels, mlp_tiled=self.mlp_tile_tokens is not None)
-        self._installed_kernels = sorted(kernels)
-        if self.mlp_tile_tokens is not None:
-            # Under every strategy, so that blockwise and resident runs train the same function.
-            tile_mlps(self.model, self.mlp_tile_tokens)
-        if self.attention_tile_tokens is not None:
-            try:
-                tile_attention(self.model, self.attention_tile_tokens)
-            except ValueError as error:
-                raise MisconfigurationException(
-                    f"CausalLMFineTune(attention_tile_tokens={self.attention_tile_tokens}): {error}"
-                ) from None
-        # `from_pretrained` returns eval mode and Lightning keeps the modes it finds; training wants train mode
-        # (dropout, and bitsandbytes' CPU kernel choice: NOTE [ bitsandbytes CPU inference kernel ] in
-        # compat/bitsandbytes/cpu_kernel.py).
-        self.model.train()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """The causal-LM loss of the batch (labels -100 where nothing is learned)."""
@@ -299,13 +243,7 @@ class CausalLMFineTune(pl.LightningModule):
         checkpointing.py, ``save_frozen_base``); elsewhere the module does the same. The kernels the model computes
         with, and the base (recipes/base_record.py), are recorded, so that a resume is checked against them.
         """
-        checkpoint[OPTIMIZER_KEY] = self.hparams.optimizer
-        if self._export_target is not None:
-            checkpoint[_ADAPTER_DIR_KEY] = str(self._export_target)
-        if self._installed_kernels is not None:
-            checkpoint[_KERNELS_KEY] = self._installed_kernels
-        if self._record is not None:
-            checkpoint[CHECKPOINT_RECORD_KEY] = self._record.to_dict()
+        record_run(checkpoint, self.hparams.optimizer, self._export_target, self._installed_kernels, self._record)
         if isinstance(self.trainer.strategy, BlockwiseStrategy):
             return
         trainable = {name for name, param in self.named_parameters() if param.requires_grad}
@@ -323,13 +261,11 @@ class CausalLMFineTune(pl.LightningModule):
         """
         frozen = {name for name, param in self.named_parameters() if not param.requires_grad}
         self._record = base_record.check_resumed_base(checkpoint, self._record, frozen, self.hparams.allow_other_base)
-        check_resumed_kernels(checkpoint.get(_KERNELS_KEY), self._installed_kernels, self.hparams.kernels)
+        check_resumed_kernels(recorded_kernels(checkpoint), self._installed_kernels, self.hparams.kernels)
         # Only a fit loads the optimizer's state and exports (`load_from_checkpoint` has no trainer).
         if self._trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
             return
-        check_resumed_optimizer(checkpoint, self.hparams.optimizer)
-        if self.trainer.is_global_zero and checkpoint.get(_ADAPTER_DIR_KEY):
-            clean_export_leftovers(checkpoint[_ADAPTER_DIR_KEY])  # NOTE [ A resume cleans its run's export ]
+        resume_fit(checkpoint, self.hparams.optimizer, self.trainer.is_global_zero)
 
     def on_fit_start(self) -> None:
         """Note that this fit has not exported its adapter yet."""
@@ -365,25 +301,7 @@ class CausalLMFineTune(pl.LightningModule):
         rank_zero_info(f"CausalLMFineTune: adapter saved to {written}")
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
-        if is_packed(batch):
-            if self.attention_tile_tokens is not None:
-                raise MisconfigurationException(
-                    f"CausalLMFineTune(attention_tile_tokens={self.attention_tile_tokens}): packed batches need a mask"
-                    " that keeps their examples apart, and tiled attention computes plain causal attention without one"
-                    " (NOTE [ Tiled attention ] in longcontext/attention.py). Turn off the data module's `packing`, or"
-                    " set attention_tile_tokens to None."
-                )
-            try:
-                check_packed_attention(self.model)
-            except ValueError as error:
-                raise MisconfigurationException(
-                    f"CausalLMFineTune: {error} Load the model with `attn_implementation='sdpa'` (or 'eager'), or"
-                    " turn off the data module's `packing`."
-                ) from None
-        # The whole batch goes to the model: a packed one's `position_ids` and `use_cache=False` included.
-        if self.loss_chunk_tokens is None:
-            return self.model(**batch).loss
-        return chunked_causal_lm_loss(self.model, chunk_tokens=self.loss_chunk_tokens, **batch).loss
+        return batch_loss(self.model, batch, self.loss_chunk_tokens, self.attention_tile_tokens)
 
     def _adapter_dir(self) -> Path:
         if self.hparams.adapter_dir:

@@ -34,7 +34,7 @@ from lightning_blockwise.planning import format_gb
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.recipes.generation_options import DEFAULT_MAX_NEW_TOKENS, MAX_NEW_TOKENS_LIMIT, Sampling
 from lightning_blockwise.recipes.prompt_tokens import PromptFormat, eos_ids, left_padded, until_eos
-from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.residency.stream_observer import StreamObserver
 from lightning_blockwise.strategy.blockwise import BlockwiseStrategy
 from lightning_blockwise.strategy.step_timing import link_rate
 

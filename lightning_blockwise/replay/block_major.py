@@ -50,27 +50,6 @@ from lightning_blockwise.residency.base import Pass
 # The other layers' outputs go through `Intermediate`, which refuses a gradient (a loss on
 # `output_hidden_states`): the window's backward could not carry it. What else a window cannot
 # run is refused: NOTE [ What a block-major window refuses ] in window_refusals.py.
-#
-# NOTE [ Block-major windows on several ranks ]
-# Under DDP Lightning runs micro-batches 0..G-2 of a window under `no_sync` and the last one
-# without: that one's forward makes the reducer expect one hook per parameter (`prepare_for_backward`
-# in DDP's post-forward), and its backward reduces each parameter's `.grad`, the sum of the G
-# micro-batches' gradients, in buckets as the hooks come (the gradient divided by the world size,
-# then summed over the ranks). Here each micro-batch's `training_step` goes through DDP's forward on
-# its worker: the code before the decoder, DDP's pre-forward included, runs in micro-batch 0's call
-# (under `no_sync`), the rest, DDP's post-forward included, in Lightning's call for that micro-batch,
-# so the last one prepares the reducer as under DDP. (Only its `prepare_for_forward`, an iteration
-# count for DDP's runtime statistics, is skipped.) The whole window's backward runs in the backward of
-# that last micro-batch, where every `AccumulateGrad` node that runs fires the reducer's hook: run per
-# micro-batch, a parameter would be marked ready G times and DDP stops ("marked as ready twice"). So
-# the window's backward runs each parameter's node only for its last micro-batch (`hooks_once` in
-# window_backward.py); the earlier micro-batches' gradients are computed with `torch.autograd.grad`
-# and added to `.grad` first, as the node adds them (first kept, then added in place, in order
-# 0..G-1). The reducer then reads the sum that G sequential backwards would leave, once per window,
-# with the parameters in the order the per-micro-batch recompute gives them (layer by layer, last
-# first), so its buckets, division and sums are DDP's own. An adapter's tensor hooks (`register_hook`)
-# still see every micro-batch's gradient; hooks that run after its node (DDP's, and
-# `register_post_accumulate_grad_hook`) run once per window on several ranks, G times on one device.
 
 _local = threading.local()
 
@@ -100,7 +79,8 @@ class Window:
         num_layers: Decoder layers.
         device: The compute device (its CUDA device is made current in the window's threads).
         hooks_once: Fire each adapter's ``AccumulateGrad`` hooks once per window, for its last micro-batch (a DDP
-            reducer listens on them: NOTE [ Block-major windows on several ranks ]); else once per micro-batch.
+            reducer listens on them: NOTE [ Block-major windows on several ranks ] in window_backward.py); else once
+            per micro-batch.
     """
 
     def __init__(self, count: int, num_layers: int, device: torch.device, hooks_once: bool = False) -> None:

@@ -14,8 +14,9 @@ from torch import Tensor
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.layer import ReplayedLayer
 from lightning_blockwise.replay.rng import RngSnapshot
-from lightning_blockwise.residency.activations import ActivationOffload, SavedInput
+from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass
+from lightning_blockwise.residency.saved_inputs import SavedInput
 
 # NOTE [ Input checkpoints ]
 # A rematerialized layer keeps its input between forward and backward (NOTE [ Exact

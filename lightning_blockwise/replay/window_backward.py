@@ -16,6 +16,27 @@ from lightning_blockwise.replay.layer import ReplayedLayer
 from lightning_blockwise.replay.window_refusals import WindowError
 from lightning_blockwise.residency.base import Pass
 
+# NOTE [ Block-major windows on several ranks ]
+# Under DDP Lightning runs micro-batches 0..G-2 of a window under `no_sync` and the last one
+# without: that one's forward makes the reducer expect one hook per parameter (`prepare_for_backward`
+# in DDP's post-forward), and its backward reduces each parameter's `.grad`, the sum of the G
+# micro-batches' gradients, in buckets as the hooks come (the gradient divided by the world size,
+# then summed over the ranks). Here each micro-batch's `training_step` goes through DDP's forward on
+# its worker: the code before the decoder, DDP's pre-forward included, runs in micro-batch 0's call
+# (under `no_sync`), the rest, DDP's post-forward included, in Lightning's call for that micro-batch,
+# so the last one prepares the reducer as under DDP. (Only its `prepare_for_forward`, an iteration
+# count for DDP's runtime statistics, is skipped.) The whole window's backward runs in the backward of
+# that last micro-batch, where every `AccumulateGrad` node that runs fires the reducer's hook: run per
+# micro-batch, a parameter would be marked ready G times and DDP stops ("marked as ready twice"). So
+# the window's backward runs each parameter's node only for its last micro-batch (`hooks_once` in
+# window_backward.py); the earlier micro-batches' gradients are computed with `torch.autograd.grad`
+# and added to `.grad` first, as the node adds them (first kept, then added in place, in order
+# 0..G-1). The reducer then reads the sum that G sequential backwards would leave, once per window,
+# with the parameters in the order the per-micro-batch recompute gives them (layer by layer, last
+# first), so its buckets, division and sums are DDP's own. An adapter's tensor hooks (`register_hook`)
+# still see every micro-batch's gradient; hooks that run after its node (DDP's, and
+# `register_post_accumulate_grad_hook`) run once per window on several ranks, G times on one device.
+
 
 @dataclass
 class SavedInput:
@@ -42,7 +63,7 @@ def differentiate_window(
         grads: The gradient at the top of the decoder of each micro-batch of ``order``.
         hooks_once: Run each adapter's ``AccumulateGrad`` node for the last micro-batch of ``order`` only, and add
             the others' gradients to ``.grad`` before it as that node adds them (NOTE [ Block-major windows on
-            several ranks ] in block_major.py); else every micro-batch's gradient goes through the node.
+            several ranks ]); else every micro-batch's gradient goes through the node.
 
     Raises:
         WindowError: If a layer's saved input was modified in place after the layer ran.

@@ -21,9 +21,9 @@ from torch import nn
 
 from lightning_blockwise.architectures import DecoderStack, adapter_parameters
 from lightning_blockwise.compat.bitsandbytes import move_code_tables
-from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.arena import HostArena
 from lightning_blockwise.residency.binding import bind, bind_checked, pack, unbound
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.layout import BlockLayout, layout_block
 from lightning_blockwise.residency.shared_arena import ArenaClaim
 from lightning_blockwise.residency.sharing import attach_or_own, serve_or_release

@@ -13,7 +13,7 @@ import torch
 from typing_extensions import override
 
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.residency.stream_observer import StreamObserver
 
 #: A point in time: a recorded CUDA event, or a host clock reading in seconds on the CPU.
 Mark = torch.cuda.Event | float

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.residency.base import Pass, Residency
 from lightning_blockwise.residency.binding import views
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.layout import BlockLayout
+from lightning_blockwise.residency.step_order import step_order
+from lightning_blockwise.residency.stream_observer import StreamObserver
 
 # NOTE [ Slot reuse ]
 # A slot is refilled only after every kernel that reads the block it holds has finished.
@@ -85,67 +87,6 @@ class TransferStats:
 
     copies: int = 0
     bytes: int = 0
-
-
-class StreamObserver:
-    """Receives the streamer's copies, waits and layer runs as they are issued; this base ignores them.
-
-    See NOTE [ Stream observer ]. Subclass it and hand an instance to
-    :meth:`~lightning_blockwise.BlockwiseStrategy.set_observer` to profile a run: the strategy
-    gives it to every streamer it builds.
-    """
-
-    def copy_started(self, block: int) -> None:
-        """A copy of ``block`` into its slot is about to be issued on the copy stream."""
-
-    def copy_finished(self, block: int, nbytes: int) -> None:
-        """The copy of ``block`` (``nbytes`` bytes) has been issued on the copy stream."""
-
-    def wait_started(self, block: int) -> None:
-        """The compute stream is about to wait for the copy of ``block``."""
-
-    def wait_finished(self, block: int) -> None:
-        """The compute stream's wait for the copy of ``block`` has been issued."""
-
-    def layer_started(self, layer: int, phase: Pass) -> None:
-        """Layer ``layer``'s block is usable; its kernels in ``phase`` follow on the compute stream."""
-
-    def layer_finished(self, layer: int, phase: Pass) -> None:
-        """The last kernel of layer ``layer`` in ``phase`` has been issued on the compute stream."""
-
-
-def step_order(layer: int, phase: Pass, num_layers: int, every: int | None) -> Iterator[tuple[int, Pass]]:
-    """The layer runs that follow ``layer``'s run in ``phase`` within a training step (NOTE [ Prefetch order ]).
-
-    The forward runs ``0..num_layers-1``, then the backward. Without input checkpoints (``every`` ``None``)
-    the backward runs the layers in reverse. With them, the layers form segments ``[c, c+every)`` from
-    ``c = 0``; from the top segment down, the backward replays ``c..t-1`` (``t`` the segment's top layer)
-    and then runs ``t..c`` backward (NOTE [ Input checkpoints ] in replay/segments.py).
-    """
-    if phase is Pass.FORWARD:
-        yield from ((i, Pass.FORWARD) for i in range(layer + 1, num_layers))
-        below = num_layers
-    else:
-        first, top = _segment_of(layer, every, num_layers)
-        if phase is Pass.REPLAY:
-            yield from ((i, Pass.REPLAY) for i in range(layer + 1, top))
-            yield from ((i, Pass.BACKWARD) for i in range(top, first - 1, -1))
-        else:
-            yield from ((i, Pass.BACKWARD) for i in range(layer - 1, first - 1, -1))
-        below = first
-    while below > 0:
-        first, top = _segment_of(below - 1, every, num_layers)
-        yield from ((i, Pass.REPLAY) for i in range(first, top))
-        yield from ((i, Pass.BACKWARD) for i in range(top, first - 1, -1))
-        below = first
-
-
-def _segment_of(layer: int, every: int | None, num_layers: int) -> tuple[int, int]:
-    """The first and the top layer of ``layer``'s segment (a layer alone without input checkpoints)."""
-    if every is None:
-        return layer, layer
-    first = layer - layer % every
-    return first, min(first + every, num_layers) - 1
 
 
 class BlockStreamer(Residency):

@@ -80,7 +80,7 @@ class _Lookahead(Iterator):
 def refuse_unsupported(module: LightningModule, stack: DecoderStack) -> None:
     """Refuse what block-major accumulation cannot run exactly, at setup (before any model work).
 
-    Several processes are fine: NOTE [ Block-major windows on several ranks ] in replay/block_major.py.
+    Several processes are fine: NOTE [ Block-major windows on several ranks ] in replay/window_backward.py.
 
     Raises:
         MisconfigurationException: With manual optimization, or dropout in the decoder layers.
@@ -192,7 +192,7 @@ class BlockMajorSteps:
                 if len(batches) > 1:
                     for batch in batches:
                         see_batch(batch)
-                    # NOTE [ Block-major windows on several ranks ] in replay/block_major.py.
+                    # NOTE [ Block-major windows on several ranks ] in replay/window_backward.py.
                     reduced = isinstance(strategy.model, DistributedDataParallel)
                     return self._open(batches, args, run, drew_ahead, reduced)
             see_batch(args[0])

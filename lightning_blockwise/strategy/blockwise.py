@@ -22,11 +22,11 @@ from typing_extensions import override
 
 from lightning_blockwise.architectures import DecoderStack, check_trainable, eval_mode_4bit_modules, find_decoder_stack
 from lightning_blockwise.compat.versions import warn_if_untested
-from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.planning.units import format_gib
 from lightning_blockwise.residency import placement
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.placement import HostCopy
-from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.residency.stream_observer import StreamObserver
 from lightning_blockwise.strategy.accumulation import (
     BlockMajorSteps,
     planned_window,
@@ -35,6 +35,7 @@ from lightning_blockwise.strategy.accumulation import (
 from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.strategy.checkpointing import FrozenBase
 from lightning_blockwise.strategy.device_memory import CardBudget, card_budget, check_cap
+from lightning_blockwise.strategy.module_budget import module_budget
 from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
 from lightning_blockwise.strategy.options import (
     CARD,
@@ -48,7 +49,6 @@ from lightning_blockwise.strategy.options import (
 )
 from lightning_blockwise.strategy.queries import BlockwiseQueries
 from lightning_blockwise.strategy.resumable import ResumableStrategy
-from lightning_blockwise.strategy.step_budget import StepBudget
 from lightning_blockwise.strategy.step_planner import StepPlanner, budget_errors
 from lightning_blockwise.strategy.step_tokens import first_tokens
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
@@ -98,15 +98,15 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             module's ``max_length`` x ``batch_size`` where it declares both, else the first training batch's, read
             ahead (NOTE [ The first batch read ahead ] in step_tokens.py), else 2048; a refusal at setup says which.
             Either way a longer batch is planned for before its step runs (NOTE [ A budget that sees the batches ] in
-            step_budget.py).
+            planning/step_budget.py).
         offload_activations: Keep each layer's saved input in pinned host memory between forward and
             backward (NOTE [ Layer-input offload ] in residency/activations.py). ``None``: the plan decides; with a
             budget and ``input_checkpoint_every`` unset too, it chooses how many layers' inputs wait in host memory
             and one kept in how many from the budget and the host memory free, again before a longer batch; what
             fits no way under a set ``vram_budget`` is refused at setup, naming the longest micro-batch that would
-            (NOTE [ Where layer inputs wait ] in step_budget.py). Without a budget it turns offload on when the step
-            would not fit the device without it. ``True``/``False`` force it. An integer ``m`` offloads the first
-            ``m`` layers' inputs and keeps the rest on the device (host RAM short of every layer's input: NOTE
+            (NOTE [ Where layer inputs wait ] in planning/input_choice.py). Without a budget it turns offload on when
+            the step would not fit the device without it. ``True``/``False`` force it. An integer ``m`` offloads the
+            first ``m`` layers' inputs and keeps the rest on the device (host RAM short of every layer's input: NOTE
             [ Split layer inputs ]).
         keep_activations: With a ``vram_budget``, recomputed layers first keep their attention kernels' outputs
             where a layer's attention is worth it (long context: NOTE [ Kept attention ] in replay/kept_attention.py),
@@ -295,7 +295,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             self._card = card_budget(device, held_outside=self._placement.held_outside)
             rank = f" (rank {self.global_rank})" if self.world_size > 1 else ""
             log.info(f"BlockwiseStrategy{rank}: vram_budget='card': {self._card.why}.")
-        budget = StepBudget.for_module(
+        budget = module_budget(
             self.lightning_module,
             self._stack.model,
             block_bytes=[layout.nbytes for layout in self._host_copy.layouts],
@@ -329,7 +329,8 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             self.prefetch_depth,
             plan.residency.resident,
             plan.residency.kept,
-            # The options', or where the plan chose them, its own (NOTE [ Where layer inputs wait ] in step_budget.py).
+            # The options', or where the plan chose them, its own (NOTE [ Where layer inputs wait ] in
+            # planning/input_choice.py).
             plan.shape.offloaded_layers,
             plan.shape.checkpoint_every,
             plan.residency.attention,
@@ -356,7 +357,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
             # NOTE [ A window's batches ] in accumulation.py; it plans for the window's batches first.
             return self._block_major.training_step(self, args, kwargs, super().training_step, self._see_batch)
         if self._planner is not None:
-            # NOTE [ A budget that sees the batches ] in step_budget.py.
+            # NOTE [ A budget that sees the batches ] in planning/step_budget.py.
             replanned = self._planner.before_step(args[0] if args else kwargs.get("batch"))
             if replanned is not None:
                 self._planner.announce(replanned)
@@ -373,7 +374,7 @@ class BlockwiseStrategy(BlockwiseQueries, ResumableStrategy):
 
     def _see_batch(self, batch: Any) -> None:
         if self._planner is not None:
-            # NOTE [ A budget that sees the batches ] in step_budget.py.
+            # NOTE [ A budget that sees the batches ] in planning/step_budget.py.
             replanned = self._planner.see_batch(batch)
             if replanned is not None:
                 self._planner.announce(replanned)

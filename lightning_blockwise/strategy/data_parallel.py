@@ -272,8 +272,8 @@ def host_group() -> Any:
     """A gloo process group over every rank, for small agreements on host values; ``None`` if the default is gloo.
 
     The step planner agrees on each step's tokens and on the host memory free (NOTE [ Where layer inputs wait ] in
-    step_budget.py): through NCCL that would be a CUDA tensor read back before every step, a wait for the GPU's
-    queue. A CPU tensor through gloo leaves the queue running. Every rank creates it at the same point (setup).
+    planning/input_choice.py): through NCCL that would be a CUDA tensor read back before every step, a wait for the
+    GPU's queue. A CPU tensor through gloo leaves the queue running. Every rank creates it at the same point (setup).
     """
     if torch.distributed.get_backend() == "gloo":
         return None

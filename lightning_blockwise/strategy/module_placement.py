@@ -16,7 +16,7 @@ from lightning_blockwise.residency.layout import BlockLayout
 from lightning_blockwise.residency.placement import move_rest_to_device
 from lightning_blockwise.strategy.checkpointing import base_fingerprint
 from lightning_blockwise.strategy.device_memory import DeviceMemoryCap, apply_cap
-from lightning_blockwise.strategy.step_budget import device_bytes
+from lightning_blockwise.strategy.module_budget import device_bytes
 from lightning_blockwise.strategy.step_planner import budget_errors
 
 

@@ -12,10 +12,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 
 from lightning_blockwise.planning import ResidencyPlan
+from lightning_blockwise.planning.step_plan import StepPlan
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.placement import HostCopy
-from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
-from lightning_blockwise.strategy.step_budget import StepPlan, reference_headroom
+from lightning_blockwise.residency.stream_observer import StreamObserver
+from lightning_blockwise.residency.streamer import BlockStreamer
+from lightning_blockwise.strategy.module_budget import reference_headroom
 from lightning_blockwise.strategy.step_planner import StepPlanner
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
@@ -78,7 +80,7 @@ class BlockwiseQueries:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
 
         What ``vram_budget``, the free device memory and a per-process cap leave
-        (:func:`~lightning_blockwise.strategy.step_budget.reference_headroom`). Compare it with
+        (:func:`~lightning_blockwise.strategy.module_budget.reference_headroom`). Compare it with
         :meth:`resident_prefix_bytes` to see how many blocks fit.
         """
         assert self.residency_plan is not None
@@ -98,7 +100,7 @@ class BlockwiseQueries:
 
         Args:
             observer: The observer, or ``None`` for the no-op
-                :class:`~lightning_blockwise.residency.streamer.StreamObserver`.
+                :class:`~lightning_blockwise.residency.stream_observer.StreamObserver`.
 
         Example::
 

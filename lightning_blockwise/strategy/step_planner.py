@@ -14,7 +14,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 
 from lightning_blockwise.compat.quiet_logs import VERBOSE_ENV, is_verbose
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan, host_room
+from lightning_blockwise.planning.step_budget import StepBudget, host_room
+from lightning_blockwise.planning.step_plan import StepPlan
 from lightning_blockwise.strategy.step_tokens import batch_tokens, masked_row
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
@@ -31,9 +32,9 @@ def budget_errors(owner: str) -> Iterator[None]:
 def agreed(value: int, op: Literal["min", "max"], device: torch.device, group: Any = None) -> int:
     """``value`` reduced over the run's processes with ``op`` (one all-reduce); itself with one process.
 
-    Every process must call it at the same point (NOTE [ Where layer inputs wait ] in step_budget.py). With ``group``
-    (a gloo group: :func:`~.data_parallel.host_group`) the value is a CPU tensor, so an NCCL run does not wait for
-    its GPU queue here before every step; without one it goes through the default group on ``device``.
+    Every process must call it at the same point (NOTE [ Where layer inputs wait ] in planning/input_choice.py).
+    With ``group`` (a gloo group: :func:`~.data_parallel.host_group`) the value is a CPU tensor, so an NCCL run does
+    not wait for its GPU queue here before every step; without one it goes through the default group on ``device``.
     """
     return agreed_all([value], op, device, group)[0]
 
@@ -52,12 +53,12 @@ def agreed_all(values: list[int], op: Literal["min", "max"], device: torch.devic
 
 
 class StepPlanner:
-    """Holds the run's :class:`~.step_budget.StepPlan` and keeps the streamed stack in step with it.
+    """Holds the run's :class:`~lightning_blockwise.planning.step_plan.StepPlan`; keeps the streamed stack in step.
 
     The first plan is made for a declared token count (:meth:`first_plan`, before the stack exists:
     its resident blocks decide which blocks the stack keeps on the device); :meth:`attach` then applies
     it, and :meth:`see_batch` plans again, between steps, for a batch longer than any planned for
-    (NOTE [ A budget that sees the batches ] in step_budget.py).
+    (NOTE [ A budget that sees the batches ] in planning/step_budget.py).
 
     Args:
         budget: What a step's device memory depends on.
@@ -93,7 +94,7 @@ class StepPlanner:
             MisconfigurationException: If the step does not fit the budget even with every block streamed.
         """
         if per_rank:
-            # Every rank plans for the same count (NOTE [ Where layer inputs wait ] in step_budget.py).
+            # Every rank plans for the same count (NOTE [ Where layer inputs wait ] in planning/input_choice.py).
             most = agreed(tokens, "max", self.device, self.group)
             source += f" The most of any rank's: {most}." if most != tokens else ""
             tokens = most
@@ -242,8 +243,8 @@ class StepPlanner:
         """Make ``plan`` the run's: where its layer inputs wait, its resident blocks and its offload (between steps)."""
         assert self._layers is not None and self.plan is not None
         self.plan = plan
-        # NOTE [ Where layer inputs wait ] in step_budget.py: a re-plan may move them, the old slabs freed first (the
-        # plan counted them as room), the streamer rebuilt once for a new k and new resident blocks together.
+        # NOTE [ Where layer inputs wait ] in planning/input_choice.py: a re-plan may move them, the old slabs freed
+        # first (the plan counted them as room), the streamer rebuilt once for a new k and new resident blocks together.
         shape, residency = plan.shape, plan.residency
         self._layers.set_input_levels(
             shape.offloaded_layers, shape.checkpoint_every, residency.resident, residency.kept, residency.attention

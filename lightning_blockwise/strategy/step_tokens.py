@@ -1,6 +1,6 @@
 """How many tokens a micro-batch holds: declared ahead, read from the first training batch, or counted in a batch.
 
-What the step budget plans for (NOTE [ A budget that sees the batches ] in step_budget.py).
+What the step budget plans for (NOTE [ A budget that sees the batches ] in planning/step_budget.py).
 """
 
 from __future__ import annotations
@@ -121,7 +121,10 @@ def first_batch(trainer: Any) -> tuple[Any, str | None]:
 
 @contextmanager
 def kept_rng_states() -> Iterator[None]:
-    """Put torch's CPU generator, Python's and NumPy's global RNG back as they were (NOTE [ The first batch ... ])."""
+    """Put torch's CPU generator, Python's and NumPy's global RNG back as they were.
+
+    Reading the first batch ahead must not move them (NOTE [ The first batch read ahead ]).
+    """
     states = torch.get_rng_state(), random.getstate()
     numpy = sys.modules.get("numpy")
     numpy_state = numpy.random.get_state() if numpy is not None else None

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from lightning_blockwise.architectures import adapter_parameters
-from lightning_blockwise.planning import BlockPlan, format_gb
+from lightning_blockwise.planning import format_gb
 from lightning_blockwise.replay import remat
 from lightning_blockwise.residency.activations import ActivationOffload
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.placement import HostCopy
-from lightning_blockwise.residency.streamer import BlockStreamer, StreamObserver
+from lightning_blockwise.residency.stream_observer import StreamObserver
+from lightning_blockwise.residency.streamer import BlockStreamer
 
 # NOTE [ Resident prefix ]
 # The streamer's slot bookkeeping assumes it alone binds every streamed block: a block
@@ -155,10 +157,10 @@ class StreamedStack:
     ) -> None:
         """Offload the first ``offloaded_layers`` layers' inputs (``None``: all) and keep one in ``checkpoint_every``.
 
-        Between steps, where a re-plan moves the layer inputs (NOTE [ Where layer inputs wait ] in step_budget.py):
-        the host slabs are freed (the re-plan counted them as room; :meth:`offload_inputs` allocates the new ones),
-        and a new ``checkpoint_every`` or new ``resident``/``kept`` blocks (default: the same) get one new streamer,
-        which prefetches along the new step order and copies the resident blocks once.
+        Between steps, where a re-plan moves the layer inputs (NOTE [ Where layer inputs wait ] in
+        planning/input_choice.py): the host slabs are freed (the re-plan counted them as room; :meth:`offload_inputs`
+        allocates the new ones), and a new ``checkpoint_every`` or new ``resident``/``kept`` blocks (default: the same)
+        get one new streamer, which prefetches along the new step order and copies the resident blocks once.
         """
         # Which layers keep their attention outputs is the wrappers' alone: every path below reinstalls them.
         self.attention = self.attention if attention is None else tuple(sorted(attention))

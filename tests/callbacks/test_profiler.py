@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseProfiler, BlockwiseStrategy, ParityCheck
 from lightning_blockwise.residency.layout import BlockLayout
-from lightning_blockwise.residency.streamer import StreamObserver
+from lightning_blockwise.residency.stream_observer import StreamObserver
 from tests.helpers.models import CausalLMModule, assert_equal_runs, build_model, fit, nf4_lora_builder, padded_batches
 
 CPU_KEYS = {"step_time_s", "tokens_per_s", "h2d_bytes_per_step", "h2d_s_per_step", "h2d_gb_per_s"}

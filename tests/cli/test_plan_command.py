@@ -26,7 +26,7 @@ from tests.helpers.models import CONFIGS, TARGETS, build_model, moe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The model's own layers: the answers of plan before --kernels, whatever is installed (NOTE [ The kernels plan
-#: counts ] in cli/plan_arguments.py; the default, auto, counts Liger's kernels where Liger-Kernel is installed).
+#: counts ] in cli/plan_kernels.py; the default, auto, counts Liger's kernels where Liger-Kernel is installed).
 OWN = ("--kernels", "none")
 
 #: The benchmark's shapes (benchmarks/step_benchmark.py) and their measured blockwise:1:2 peaks (RESULTS.md).

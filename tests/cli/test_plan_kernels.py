@@ -1,6 +1,6 @@
 """`lightning-blockwise plan --kernels`: the layers the plan counts (NOTE [ The kernels plan counts ]).
 
-`modelled_kernels` (cli/plan_arguments.py) decides; the single-length report, the card's recommendation, `--longest`
+`modelled_kernels` (cli/plan_kernels.py) decides; the single-length report, the card's recommendation, `--longest`
 and `--table` carry it to the memory model (`StepShape.fused_norm`, `fused_mlp`).
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_blockwise.cli import main, plan_report
-from lightning_blockwise.cli.plan_arguments import modelled_kernels
+from lightning_blockwise.cli.plan_kernels import modelled_kernels
 from lightning_blockwise.planning.footprint import ModelSizes
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes, recommend

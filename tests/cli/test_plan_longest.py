@@ -20,7 +20,7 @@ from lightning_blockwise.planning.sizing import model_sizes
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[2]
 #: The model's own layers: the answers of plan before --kernels, whatever is installed (NOTE [ The kernels plan
-#: counts ] in cli/plan_arguments.py).
+#: counts ] in cli/plan_kernels.py).
 OWN = ("--kernels", "none")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_blockwise.strategy import step_budget
+from lightning_blockwise.planning import step_budget
 from tests.helpers.budgets import budget_where, keeps_every_attention, probed_budget
 from tests.helpers.models import (
     NUM_LAYERS,
@@ -88,7 +88,8 @@ def three(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _attention_budget(checkpoint: Path) -> int:
     """A budget under which a rank of a 2-rank run streams every block, each layer keeping its attention outputs.
 
-    Planned in this process as a rank plans it: DDP's gradient buckets count as fixed bytes (`StepBudget.for_module`).
+    Planned in this process as a rank plans it: DDP's gradient buckets count as fixed bytes
+    (`strategy/module_budget.py`).
     """
     budget = probed_budget(lambda: build_model("llama", checkpoint, quantized=True, lora_dropout=0.0), 2 * SEQ)
     ranks = dataclasses.replace(budget, fixed_bytes=budget.fixed_bytes + budget.trainable_bytes)

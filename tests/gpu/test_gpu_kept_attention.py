@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.strategy import step_budget as planner
+from lightning_blockwise.planning import step_budget as planner
 from tests.helpers.attention import CountAttention, record_one_bit_off
 from tests.helpers.budgets import budget_where, keeps_every_attention
 from tests.helpers.models import (

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
+from lightning_blockwise.planning.step_budget import StepBudget
+from lightning_blockwise.planning.step_plan import StepPlan
 from tests.helpers.models import CausalLMModule, fit
 
 

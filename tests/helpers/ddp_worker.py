@@ -34,9 +34,10 @@ import lightning_blockwise  # noqa: F401  (registers "blockwise")
 from lightning_blockwise import BlockwiseStrategy, load_blockwise
 from lightning_blockwise.callbacks import BlockwiseProfiler, ParityCheck
 from lightning_blockwise.compat.bitsandbytes import nf4_config
+from lightning_blockwise.planning import step_budget
 from lightning_blockwise.replay import block_major
 from lightning_blockwise.residency.placement import host_copy_of
-from lightning_blockwise.strategy import data_parallel, step_budget
+from lightning_blockwise.strategy import data_parallel
 from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY
 from lightning_blockwise.strategy.rank_watchdog import RankWatchdog
 from tests.helpers.models import (

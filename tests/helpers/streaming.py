@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_blockwise.residency.base import Pass
 from lightning_blockwise.residency.streamer import BlockStreamer
-from lightning_blockwise.strategy.step_budget import device_bytes
+from lightning_blockwise.strategy.module_budget import device_bytes
 
 
 def backward_blocks_come_back_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -311,12 +311,11 @@ def test_the_planner_counts_the_fused_activation_out_of_a_kept_graph() -> None:
     Only the MLP kernel is installed here: Liger's RMSNorm takes hidden-sized tensors out of the graph too (the
     planner's ``fused_norm``, tested in tests/planning), which would blur the one MLP-sized tensor this checks.
     """
-    from lightning_blockwise.strategy.step_budget import StepBudget
+    from lightning_blockwise.planning.step_budget import StepBudget
+    from lightning_blockwise.strategy.module_budget import module_budget
 
     def budget(model: nn.Module) -> StepBudget:
-        return StepBudget.for_module(
-            model, model.get_base_model(), [1000] * NUM_LAYERS, torch.device("cpu"), 2, None, None
-        )
+        return module_budget(model, model.get_base_model(), [1000] * NUM_LAYERS, torch.device("cpu"), 2, None, None)
 
     model = build_model("llama")
     plain = budget(model)

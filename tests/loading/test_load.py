@@ -24,8 +24,8 @@ import lightning_blockwise.residency.arena
 import lightning_blockwise.residency.layout
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.loading.load import load_blockwise, predict_block_bytes
-from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.planning.sizing import model_sizes
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.placement import detach_host_copy, host_copy_of
 from tests.helpers.models import (
     CONFIGS,

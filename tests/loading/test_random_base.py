@@ -22,9 +22,9 @@ from lightning_blockwise import BlockwiseStrategy, random_blockwise
 from lightning_blockwise.compat.bitsandbytes import nf4_linear
 from lightning_blockwise.loading import random_base, random_draws
 from lightning_blockwise.loading.random_base import random_share_key
-from lightning_blockwise.planning import BlockPlan
 from lightning_blockwise.recipes.random_init import random_nf4_model
 from lightning_blockwise.residency.arena import slab_offsets
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import VOCAB, CausalLMModule, assert_equal_runs, fit, runs_differ
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from lightning_blockwise.planning import StepShape
+from lightning_blockwise.planning.activation_constants import ALLOCATOR_ROUNDING
 from lightning_blockwise.planning.footprint import ModelSizes
 from lightning_blockwise.planning.memory import with_headroom
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
-from lightning_blockwise.planning.step_shape import _ALLOCATOR_ROUNDING
 
 GiB = 2**30
 #: The most a plan may be over a measured peak (and it may never be under).
@@ -336,6 +336,6 @@ def test_with_input_checkpoints_in_host_memory_the_plan_is_within_10_percent(
     print(f"72b {tokens} k=2: predicted {new / 1e9:.2f} GB, measured {measured / 1e9:.2f} GB, {over:+.1%}")
     assert within(new, measured), f"{source}: {over:+.1%}"
     two_inputs = 2 * plan.shape.input_bytes()
-    old = new + int(two_inputs * _ALLOCATOR_ROUNDING)
+    old = new + int(two_inputs * ALLOCATOR_ROUNDING)
     assert abs(old - logged) < 0.01e9, (old, logged)
     assert not within(old, measured)

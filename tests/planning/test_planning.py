@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_blockwise.planning import BlockPlan, StepShape, parse_bytes, plan_residency, step_shape
+from lightning_blockwise.planning import StepShape, parse_bytes, plan_residency, step_shape
 from lightning_blockwise.planning.memory import ALLOCATOR_SLACK, with_headroom
+from lightning_blockwise.residency.blocks import BlockPlan
 
 SLACK = ALLOCATOR_SLACK
 
@@ -152,7 +153,7 @@ def test_attention_backward_counts_its_block_over_the_whole_sequence_or_one_tile
         assert shape(tile).attention_working_set() < shape(tile).norm_working_set()
         assert shape(tile).layer_working_set() == shape(None).layer_working_set() == shape(None).norm_working_set()
     # Control: the attention peak is in the max: a block that outgrew the norm's peak would bind, untiled only.
-    monkeypatch.setattr(step_shape, "_ATTENTION_BLOCK_HIDDEN", 12)
+    monkeypatch.setattr(step_shape, "ATTENTION_BLOCK_HIDDEN", 12)
     assert shape(None).layer_working_set() == shape(None).attention_working_set() > shape(None).norm_working_set()
     assert shape(64).layer_working_set() == shape(64).norm_working_set()
 

@@ -258,7 +258,7 @@ def test_long_context_options_are_planned_for_and_applied(checkpoints: dict[str,
         default_root_dir=tmp_path,
     )  # fmt: skip
     with mock.patch(
-        "lightning_blockwise.recipes.finetune.chunked_causal_lm_loss", wraps=chunked_causal_lm_loss
+        "lightning_blockwise.recipes.finetune_loss.chunked_causal_lm_loss", wraps=chunked_causal_lm_loss
     ) as loss:
         fitter.fit(module, datamodule=_tokens())
     # The planner read the module's attributes: it plans CHUNK rows of logits and MLP tiles of TILE tokens.
@@ -332,7 +332,7 @@ def test_attention_tiles_refuse_attention_dropout_and_packed_batches(checkpoints
     # The tests' Llama has attention dropout 0.1: refused from its config before the base loads, naming the fix.
     module = CausalLMFineTune(str(checkpoints["llama"]), lora_r=4, compute_dtype="float32", attention_tile_tokens=TILE)
     never = mock.Mock(side_effect=AssertionError("the base was loaded before the refusal"))
-    with mock.patch("lightning_blockwise.recipes.finetune.load_base", never):
+    with mock.patch("lightning_blockwise.recipes.finetune_build.load_base", never):
         with pytest.raises(MisconfigurationException, match=r"attention_tile_tokens=5\): .*attention_dropout=0\.0"):
             module.configure_model()
         # A data module that packs its rows: refused before the base loads too, even with a config without dropout.
@@ -345,7 +345,7 @@ def test_attention_tiles_refuse_attention_dropout_and_packed_batches(checkpoints
     assert not never.called
     # Control: with the config's attention dropout checked at the model too, the base does load and tiling refuses.
     with pytest.raises(MisconfigurationException, match=r"attention_tile_tokens=5\): .*attention_dropout=0\.0"):
-        with mock.patch("lightning_blockwise.recipes.finetune.check_attention_tiles"):
+        with mock.patch("lightning_blockwise.recipes.finetune_build.check_attention_tiles"):
             module.configure_model()
     ids = torch.randint(1, VOCAB, (1, 12))
     packed = {
@@ -532,7 +532,7 @@ def test_a_resume_where_auto_chooses_other_kernels_is_refused(
     with pytest.warns(UserWarning, match=r"trained with kernels \['fused_lora'\] .* computes with \[\], as asked"):
         assert resume("explicit", kernels=None).global_step == 3
     # Another machine, where "auto" takes nothing (stood in): refused, naming what to pass.
-    monkeypatch.setattr("lightning_blockwise.recipes.finetune.resolve_auto", lambda *args: frozenset())
+    monkeypatch.setattr("lightning_blockwise.recipes.finetune_build.resolve_auto", lambda *args: frozenset())
     with pytest.raises(
         MisconfigurationException, match=r"kernels='auto'\): this run was trained with.*kernels=\['fused_lora'\]"
     ):

@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.cli import main
 from lightning_blockwise.compat.bitsandbytes.optimizers import MIN_8BIT_SIZE
-from lightning_blockwise.recipes import finetune
+from lightning_blockwise.recipes import finetune_checkpoint
 from lightning_blockwise.recipes.data import SyntheticTokensDataModule
 from lightning_blockwise.recipes.finetune import CausalLMFineTune
 from lightning_blockwise.recipes.optimizers import OPTIMIZER_KEY, OPTIMIZERS, build_optimizer
@@ -216,7 +216,7 @@ def test_resume_with_another_kind_of_optimizer_is_refused_before_the_load(
     with pytest.raises(MisconfigurationException, match=rf"optimizer='{resumed_with}'\): the checkpoint was trained"):
         _run(checkpoints["llama"], "auto", tmp_path / "third", resumed_with, ckpt_path=tmp_path / "unrecorded.ckpt")
     # Control: without the check the resume fails as the issue found it, at the first step, on a missing moment.
-    monkeypatch.setattr(finetune, "check_resumed_optimizer", lambda *args: None)
+    monkeypatch.setattr(finetune_checkpoint, "check_resumed_optimizer", lambda *args: None)
     with pytest.raises(KeyError):
         _run(checkpoints["llama"], BlockwiseStrategy(), tmp_path / "fourth", optimizer=resumed_with, ckpt_path=saved)
 

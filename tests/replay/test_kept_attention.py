@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.planning import step_budget as planner
+from lightning_blockwise.planning.step_budget import StepBudget
+from lightning_blockwise.planning.step_plan import StepPlan
 from lightning_blockwise.replay import kept_attention, remat
 from lightning_blockwise.replay.kept_attention import KeptAttention
-from lightning_blockwise.strategy import step_budget as planner
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
 from tests.helpers.attention import CountAttention, record_one_bit_off
 from tests.helpers.budgets import budget_where, keeps_every_attention, probed_budget
 from tests.helpers.models import SEQ, CausalLMModule, assert_equal_runs, build_model, fit, runs_differ

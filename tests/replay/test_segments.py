@@ -22,7 +22,8 @@ from lightning_blockwise.replay import remat
 from lightning_blockwise.replay.segments import Segment
 from lightning_blockwise.residency import streamer as streamer_module
 from lightning_blockwise.residency.base import AlwaysResident, Pass
-from lightning_blockwise.residency.streamer import BlockStreamer, step_order
+from lightning_blockwise.residency.step_order import step_order
+from lightning_blockwise.residency.streamer import BlockStreamer
 from tests.helpers.callbacks import ForwardCounts
 from tests.helpers.models import (
     CausalLMModule,

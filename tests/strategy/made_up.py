@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from lightning_blockwise.strategy.step_budget import StepBudget
+from lightning_blockwise.planning.step_budget import StepBudget
 
 LAYERS = 8
 #: The made-up model's micro-batch.

@@ -21,8 +21,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_blockwise import BlockwiseStrategy
+from lightning_blockwise.planning.step_budget import StepBudget
 from lightning_blockwise.strategy import step_tokens
-from lightning_blockwise.strategy.step_budget import StepBudget
 from lightning_blockwise.strategy.step_planner import StepPlanner
 from lightning_blockwise.strategy.step_tokens import DEFAULT_TOKENS, first_batch
 from tests.helpers.models import CausalLMModule, build_model, padded_batches, trainer

@@ -13,7 +13,7 @@ import torch
 
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
-from lightning_blockwise.strategy.step_budget import KEPT_ATTENTION_MIN_FLOPS, StepBudget
+from lightning_blockwise.planning.step_budget import KEPT_ATTENTION_MIN_FLOPS, StepBudget
 
 HOST = 100 * 10**9
 

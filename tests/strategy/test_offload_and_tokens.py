@@ -15,7 +15,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.strategy.step_budget import StepBudget, StepPlan
+from lightning_blockwise.planning.step_budget import StepBudget
+from lightning_blockwise.planning.step_plan import StepPlan
+from lightning_blockwise.strategy.module_budget import module_budget
 from lightning_blockwise.strategy.step_tokens import batch_tokens, declared_tokens
 from tests.helpers.models import SEQ, CausalLMModule, build_model, fit, padded_batches
 from tests.strategy.made_up import CONFIG, TOKENS, made_up_budget
@@ -213,7 +215,7 @@ def test_several_ranks_count_ddps_gradient_buckets_on_each_device() -> None:
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
     def budget(ranks: int) -> StepBudget:
-        return StepBudget.for_module(
+        return module_budget(
             module, model, [1024] * 4, torch.device("cpu"), prefetch_depth=2, budget=None, offload=None, ranks=ranks
         )
 

@@ -1,4 +1,4 @@
-"""Where layer inputs wait, chosen by the planner (NOTE [ Where layer inputs wait ] in strategy/step_budget.py).
+"""Where layer inputs wait, chosen by the planner (NOTE [ Where layer inputs wait ] in planning/input_choice.py).
 
 With a budget and neither `offload_activations` nor `input_checkpoint_every` set, the plan puts every input on the
 card where the budget holds them, else splits them with host memory, else keeps one in k; it refuses what fits no
@@ -21,13 +21,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.planning import StepShape
+from lightning_blockwise.planning import StepShape, step_budget
 from lightning_blockwise.planning.input_levels import INPUTS_IN_FLIGHT, InputLevels
+from lightning_blockwise.planning.step_budget import StepBudget, host_room
 from lightning_blockwise.replay.segments import Segment
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.strategy import step_budget, step_planner
-from lightning_blockwise.strategy.step_budget import StepBudget, host_room
+from lightning_blockwise.strategy import blockwise, module_budget, step_planner
 from lightning_blockwise.strategy.step_planner import StepPlanner
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 from tests.helpers.callbacks import ForwardCounts
@@ -173,7 +173,7 @@ def test_the_cards_budget_that_fits_no_choice_gives_way_to_streaming() -> None:
 def test_the_strategy_chooses_only_where_both_options_are_unset(offload: Any, every: Any, chooses: bool) -> None:
     module = CausalLMModule(lambda: build_model("llama"))
     split = offload if offload is None or isinstance(offload, bool) else True
-    budget = StepBudget.for_module(
+    budget = module_budget.module_budget(
         module,
         module.model,
         [1024] * 4,
@@ -203,8 +203,9 @@ def test_the_budget_plans_for_liger_rmsnorm_where_it_runs(monkeypatch: pytest.Mo
     """``fused_norm`` comes from the model's Liger RMSNorms, as ``fused_mlp`` from its MLPs; control: none installed."""
     model = build_model("llama")
     counts = {"rms_norm": norms, "rope": 0, "mlp": 0}
-    monkeypatch.setattr(step_budget, "liger_kernels_in", lambda _: counts)
-    budget = StepBudget.for_module(model, model.get_base_model(), [1000] * LAYERS, torch.device("cpu"), 2, None, None)
+    monkeypatch.setattr(module_budget, "liger_kernels_in", lambda _: counts)
+    base = model.get_base_model()
+    budget = module_budget.module_budget(model, base, [1000] * LAYERS, torch.device("cpu"), 2, None, None)
     assert budget.fused_norm is (norms > 0) and not budget.fused_mlp
     assert budget.shape(TOKENS, offload=False).fused_norm is (norms > 0)
 
@@ -358,13 +359,13 @@ def test_every_rank_plans_from_the_least_host_room_and_the_longest_batch(monkeyp
 def test_the_host_share_is_that_of_the_ranks_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """`host_ranks` is Lightning's processes on this node (3 here, stood in), not the world size (6: two nodes)."""
     captured: dict[str, Any] = {}
-    for_module = StepBudget.for_module
+    build = module_budget.module_budget
 
     def capture(*args: Any, **kwargs: Any) -> StepBudget:
         captured.update(kwargs)
-        return for_module(*args, **kwargs)
+        return build(*args, **kwargs)
 
-    monkeypatch.setattr(StepBudget, "for_module", capture)
+    monkeypatch.setattr(blockwise, "module_budget", capture)
     monkeypatch.setattr(BlockwiseStrategy, "num_processes", property(lambda self: 3))
     monkeypatch.setattr(BlockwiseStrategy, "world_size", property(lambda self: 6))
     monkeypatch.setattr(BlockwiseStrategy, "is_distributed", property(lambda self: False))

@@ -15,7 +15,7 @@ import pytest
 from lightning.pytorch.profilers import SimpleProfiler
 
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.strategy import step_budget
+from lightning_blockwise.planning import step_budget
 from tests.helpers.attention import CountAttention
 from tests.helpers.budgets import budget_where, keeps_every_attention
 from tests.helpers.models import NUM_LAYERS, SEQ
