@@ -9,7 +9,7 @@ Usage::
 
 A command is a non-empty line of the first fenced ``bash`` block after the section's heading, with its trailing
 ``# comment`` removed. CI (``.ci/run``) runs the install and set-up commands and nothing else to install and to
-test, so a README that lacks an install step fails CI the way it would fail a new user (tests/test_docs.py checks
+test, so a README that lacks an install step fails CI the way it would fail a new user (tests/docs/test_docs.py checks
 that both blocks exist). The other blocks are run by tests, through :func:`script`: tests/demos/test_after_demo.py
 and tests/docs/test_own_model.py.
 """

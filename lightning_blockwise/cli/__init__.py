@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 # NOTE [ The command starts without Lightning ]
 # Lightning, torch and transformers take seconds to import (tens on a loaded machine), and `--help`, `versions` or
 # `plan --help` need none of them: each command imports what it needs once it is chosen, the Trainer's commands
-# Lightning through `cli/trainer_cli.py`. tests/test_startup.py runs each in a fresh process and reads `sys.modules`.
+# Lightning through `cli/trainer_cli.py`. tests/cli/test_startup.py runs each in a fresh process and reads
+# `sys.modules`.
 #: The names this package gives, and the module each is imported from at first use (PEP 562 ``__getattr__``).
 _LAZY = {
     "build_cli": "lightning_blockwise.cli.trainer_cli",

@@ -15,7 +15,8 @@ from lightning_blockwise.compat.versions import VERSIONS_COMMAND
 PLAN_COMMAND = "plan"
 EXPORT_COMMAND = "export"
 GENERATE_COMMAND = "generate"
-#: ``LightningCLI.subcommands()``, each with what it does (tests/test_startup.py checks the names against Lightning's).
+#: ``LightningCLI.subcommands()``, each with what it does (tests/cli/test_startup.py checks the names against
+#: Lightning's).
 TRAINER_COMMANDS = {
     "fit": "Train the model (`Trainer.fit`); `--verbose` shows every message.",
     "validate": "One evaluation epoch over the validation set (`Trainer.validate`).",

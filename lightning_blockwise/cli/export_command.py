@@ -24,7 +24,7 @@ from lightning_blockwise.cli.base_flags import add_base_flags
 from lightning_blockwise.cli.commands import EXPORT_COMMAND
 
 #: ``--merge``'s choices and ``--max-shard-size``'s default: `export.merge`'s ``MERGE_CHOICES`` and
-#: ``DEFAULT_MAX_SHARD_SIZE``, written here so that ``export --help`` imports no torch (tests/test_startup.py checks
+#: ``DEFAULT_MAX_SHARD_SIZE``, written here so that ``export --help`` imports no torch (tests/cli/test_startup.py checks
 #: that they agree).
 MERGE_CHOICES = ("none", "bf16", "fp32", "nf4")
 DEFAULT_MAX_SHARD_SIZE = "5GB"

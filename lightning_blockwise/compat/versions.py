@@ -93,7 +93,7 @@ def untested_message(outside: list[Dependency]) -> str:
 
 def warn_if_untested() -> None:
     """Warn once per process, on rank zero, about dependencies outside the tested range, with the fix."""
-    # Here, not at the top: `lightning-blockwise versions` runs without Lightning (tests/test_startup.py).
+    # Here, not at the top: `lightning-blockwise versions` runs without Lightning (tests/cli/test_startup.py).
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     try:

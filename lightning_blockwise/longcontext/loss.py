@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 # chunks of 1024: 16 of 117 MB each). ``split``'s backward concatenates the chunks' gradients once.
 # The values are the same: each element of the sum was its own chunk's gradient plus zeros, which
 # is that gradient exactly (but for a zero's sign, which the backward of the rows' gather, an
-# addition into zeros, erases in both; tests/test_loss.py compares both with ``torch.equal``).
+# addition into zeros, erases in both; tests/longcontext/test_loss.py compares both with ``torch.equal``).
 
 #: Label of a position that is not learned (Hugging Face's and torch's ``ignore_index``).
 IGNORE_INDEX = -100

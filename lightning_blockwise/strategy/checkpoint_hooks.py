@@ -35,7 +35,7 @@ from lightning_blockwise.strategy.streamed_stack import StreamedStack
 # back; every random number of the resumed epoch was then one draw off (dropout masks differed from
 # the first batch on). So after putting the states back the strategy makes that iterator again,
 # with the samplers' epoch set first, as the uninterrupted run does (tests/distributed and
-# tests/test_checkpointing.py, resumed after an epoch: exact, with controls). A step checkpoint
+# tests/strategy/test_checkpointing.py, resumed after an epoch: exact, with controls). A step checkpoint
 # (`every_n_train_steps`) written at an epoch's last batch is the same case under another restart
 # stage: Lightning calls it mid-epoch and closes that epoch on resume (`_resumed_after_an_epoch`).
 

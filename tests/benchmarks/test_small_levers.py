@@ -26,7 +26,7 @@ def test_each_arm_puts_back_exactly_the_levers_it_leaves_out() -> None:
 
 
 def test_the_sliced_loss_is_the_split_ones_value() -> None:
-    """The ``before`` arm computes the same loss and gradients (tests/test_loss.py holds the bits), by other writes."""
+    """The ``before`` arm computes the same loss and gradients by other writes (tests/longcontext/test_loss.py)."""
     model = build_model("llama").eval()
     batch = padded_batches(1, batch_size=3, seed=7)[0]
     results = []

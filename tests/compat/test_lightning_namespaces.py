@@ -126,7 +126,7 @@ def _build() -> torch.nn.Module:
 
 @pytest.mark.parametrize("strategy", ["blockwise", "instance"])
 def test_parity_under_pytorch_lightning_as_under_lightning(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The exactness test of tests/test_parity.py, driven by `pytorch_lightning.Trainer` with a `pl` module."""
+    """The exactness test of tests/strategy/test_parity.py, driven by `pytorch_lightning.Trainer` with a `pl` module."""
 
     def chosen() -> Any:
         return "blockwise" if strategy == "blockwise" else BlockwiseStrategy(block_size=2)

@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 #: Imports that are this repository's own code.
 OWN = {"tests", "lightning_blockwise", "benchmarks", "__future__"}
 

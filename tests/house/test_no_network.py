@@ -13,7 +13,7 @@ import transformers
 
 from lightning_blockwise.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 
 

@@ -44,7 +44,7 @@ save_unbuffered({"x": 1}, Path(sys.argv[1]))
 
 
 def _killed_write(path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path)], cwd=Path(__file__).parents[1])
+    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path)], cwd=Path(__file__).parents[2])
     assert done.returncode == -signal.SIGKILL
 
 

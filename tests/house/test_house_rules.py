@@ -1,5 +1,5 @@
 """The house rules as tests: modules short enough to hold in one's head, NOTE references that resolve, public names
-documented (issue 45; ../shared/STYLE.md). The layer order of the folders is tests/test_package_layout.py's."""
+documented (issue 45; ../shared/STYLE.md). The layer order of the folders is tests/house/test_package_layout.py's."""
 
 from __future__ import annotations
 
