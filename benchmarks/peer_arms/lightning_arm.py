@@ -46,7 +46,7 @@ from lightning_blockwise.longcontext.loss import chunked_causal_lm_loss
 from lightning_blockwise.longcontext.tiling import tile_mlps
 from lightning_blockwise.planning.step_budget import StepBudget
 from lightning_blockwise.recipes.random_init import random_nf4_model
-from lightning_blockwise.strategy import blockwise
+from lightning_blockwise.strategy import run as strategy_run
 
 #: Shapes beside step_benchmark.SHAPES (not added there): ``tiny`` for the CPU tests (two Qwen2 layers, a vocabulary
 #: above the byte tokenizer's 259 ids), ``0.5b`` for a GPU smoke run of every arm in minutes (the Qwen2.5-0.5B shape
@@ -213,15 +213,15 @@ def strategy_for(arm: Arm, point: Point, budgets: dict[str, str]) -> tuple[Any, 
 
 def _keep_no_attention() -> None:
     """Plans in this process keep no attention outputs: the arm that measures NOTE [ Kept attention ]'s gain."""
-    if getattr(blockwise.module_budget, "keeps_no_attention", False):
+    if getattr(strategy_run.module_budget, "keeps_no_attention", False):
         return
-    build = blockwise.module_budget
+    build = strategy_run.module_budget
 
     def without(*args: Any, **kwargs: Any) -> StepBudget:
         return dataclasses.replace(build(*args, **kwargs), keep_attention=False)
 
     without.keeps_no_attention = True  # type: ignore[attr-defined]
-    blockwise.module_budget = without
+    strategy_run.module_budget = without
 
 
 def run_point(model: nn.Module, arm: Arm, point: Point, args: argparse.Namespace, device: torch.device) -> dict:

@@ -60,7 +60,7 @@ def load_base(
                 seed=torch.initial_seed(),
                 compute_dtype=dtype,
                 device=device,
-                block_size=strategy.block_size,
+                block_size=strategy.options.block_size,
                 quantize=quantize,
                 **host_copy_sharing(strategy),
             )
@@ -74,7 +74,7 @@ def load_base(
             checkpoint,
             compute_dtype=dtype,
             device=device,
-            block_size=strategy.block_size,
+            block_size=strategy.options.block_size,
             quantize=quantize,
             **host_copy_sharing(strategy),
         )
@@ -95,7 +95,7 @@ def host_copy_sharing(strategy: BlockwiseStrategy) -> dict[str, Any]:
     copy, which a checkpoint carrying the frozen base can be written into); ``True``, with any process of this user
     that loads the same base; ``None``, with this run's other ranks only, and not at all in a run of one process.
     """
-    option = strategy.share_host_copy
+    option = strategy.options.share_host_copy
     if option is None:
         return {"share": strategy.is_distributed, "share_scope": run_scope()}
     return {"share": bool(option), "share_scope": None}

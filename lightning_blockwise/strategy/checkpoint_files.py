@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_blockwise.compat.processes import host_name, process_exists, writer_tag
@@ -91,6 +92,19 @@ def _first_line(error: BaseException) -> str:
 
 # What every checkpoint Lightning writes for training holds.
 _LIGHTNING_KEYS = ("state_dict", "global_step", "pytorch-lightning_version")
+
+
+def writes_itself(checkpoint_io: Any, path: str | Path, storage_options: Any | None) -> bool:
+    """Whether rank 0 writes ``path`` with :func:`save_unbuffered` rather than through ``checkpoint_io``.
+
+    Lean and full-state checkpoints alike, where Lightning's own ``TorchCheckpointIO`` would write a local file
+    (a ``CheckpointIO`` plugin of the user's writes as it wants). ``TorchCheckpointIO`` serializes into an in-memory
+    buffer first, which for a full-state checkpoint would copy the whole base in host RAM; and fsspec stages the file
+    in the system's temporary directory and moves it into place, which across file systems is a copy under the final
+    name: a full disk left a truncated checkpoint there. Ours is written beside its final name and renamed when
+    complete.
+    """
+    return type(checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
 
 
 def save_unbuffered(checkpoint: Mapping[str, Any], path: Path) -> None:
@@ -174,4 +188,4 @@ def _write_error(path: Path, error: BaseException) -> OSError:
 _NEARLY_FULL = 64 * 2**20
 
 
-__all__ = ["check_checkpoint_file", "remove_stale_temporaries", "save_unbuffered"]
+__all__ = ["check_checkpoint_file", "remove_stale_temporaries", "save_unbuffered", "writes_itself"]

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_blockwise.replay.rng import GlobalRngState
+from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY, FrozenBase
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
@@ -94,7 +95,9 @@ class CheckpointHooks:
         checkpoint: Mapping[str, Any],
         strict: bool,
         layers: StreamedStack | None,
-        read_only: bool = False,
+        host_copy: HostCopy | None = None,
+        share_host_copy: bool | None = None,
+        world_size: int = 1,
     ) -> None:
         """Load a lean or full checkpoint into the set-up ``module``; refuse one of another base.
 
@@ -107,20 +110,21 @@ class CheckpointHooks:
             checkpoint: Lightning's checkpoint.
             strict: Refuse keys the module does not have or lacks.
             layers: The streamed decoder layers, whose resident blocks copy a loaded base again.
-            read_only: The host arena is another process's, mapped read-only.
+            host_copy: The host copy a checkpoint's frozen base is written into.
+            share_host_copy: The strategy's ``share_host_copy``, said where a shared copy refuses the write.
+            world_size: The run's processes, said there too.
 
         Raises:
             MisconfigurationException: If the checkpoint was written over another base, lacks trainable
                 parameters, or (with ``strict``) has keys the module does not or lacks others; or carries the
-                base while the host arena is read-only.
+                base while the host copy is another process's or serves others (:func:`check_base_write`).
         """
         assert self.base is not None
-        if read_only and self.base.has_base(checkpoint.get("state_dict", {})):
-            raise MisconfigurationException(
-                f"{self.owner}: this checkpoint carries the frozen base, to be written into the host copy, but this"
-                " process maps another process's copy read-only (`load_blockwise(share=True)`, NOTE [ One host copy"
-                " per machine ]). Load the model with `load_blockwise(..., share=False)` to resume from it."
-            )
+        if host_copy is not None and self.base.has_base(checkpoint.get("state_dict", {})):
+            # NOTE [ One host copy per machine ] in residency/shared_arena.py: a copy mapped read-only, or one that
+            # processes still read, is refused here, naming the option that shares it.
+            check_base_write(host_copy, share_host_copy, world_size)
+            host_copy.prepare_base_write(self.owner)
         try:
             state, has_base = self.base.take_checkpoint(checkpoint)
         except ValueError as error:
@@ -188,6 +192,15 @@ class CheckpointHooks:
                 f" resumed run is not the one that wrote it. Resume with {written_by} process(es) for an exact resume."
             )
 
+    def at_train_start(self, fit_loop: Any) -> None:
+        """After every ``on_train_start`` hook, before the first batch: a resumed run's loader state, then its RNG.
+
+        NOTE [ Loader state restored late ], then NOTE [ Exact resume ] in replay/rng.py.
+        """
+        self.resume_loader(fit_loop)
+        if self.restore_rng():
+            self.restart_epoch(fit_loop)
+
     def restore_rng(self) -> bool:
         """Put back the RNG states of the checkpoint :meth:`resume_rng` saw, once; whether there were any."""
         if self._rng_to_restore is None:
@@ -198,6 +211,37 @@ class CheckpointHooks:
         GlobalRngState.from_state_dict(self._rng_to_restore).restore()
         self._rng_to_restore = None
         return True
+
+
+def check_base_write(copy: HostCopy, share_host_copy: bool | None, world_size: int) -> None:
+    """Refuse a checkpoint's frozen base for a host copy that other processes read, saying why it is shared.
+
+    Writing it would change the weights those processes train on (NOTE [ One host copy per machine ]). A copy
+    that serves no process now is left to ``HostCopy.prepare_base_write``, which stops serving it.
+
+    Raises:
+        MisconfigurationException: Naming this process's part in the sharing, the option that shares, and the fix.
+    """
+    if copy.arena.read_only:
+        part = "maps another process's host copy of the base read-only"
+    else:
+        peers = [] if copy.serving is None else copy.serving.peers()
+        if not peers:
+            return
+        part = f"shares that copy with {len(peers)} other process(es) (pids {peers[:8]})"
+    if share_host_copy is None and world_size > 1:
+        why = f"`BlockwiseStrategy(share_host_copy=None)` (default) shares one copy among this run's {world_size} ranks"
+    elif share_host_copy:
+        why = "`BlockwiseStrategy(share_host_copy=True)` shares it with every process of this user that loads the base"
+    else:
+        why = "the model was loaded shared (`load_blockwise(share=True)`, its default)"
+    raise MisconfigurationException(
+        f"BlockwiseStrategy: this checkpoint carries the frozen base (it was saved with `save_frozen_base=True`), which"
+        f" loading it writes into the host copy, but this process {part}: {why}. Pass"
+        " `BlockwiseStrategy(share_host_copy=False)` (a model you load yourself: `load_blockwise(..., share=False)`)"
+        " so that every process packs a copy of its own, or resume from a checkpoint saved without the base"
+        " (`save_frozen_base=False`) if the run's base is the one on disk."
+    )
 
 
 def _resumed_after_an_epoch(fit_loop: Any) -> bool:
@@ -218,4 +262,4 @@ def _resumed_after_an_epoch(fit_loop: Any) -> bool:
     )
 
 
-__all__ = ["CheckpointHooks"]
+__all__ = ["CheckpointHooks", "check_base_write"]

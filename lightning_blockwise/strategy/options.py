@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -110,7 +111,57 @@ def check_device(device: _DEVICE | None) -> None:
         )
 
 
-def check_options(
+@dataclass(frozen=True)
+class BlockwiseOptions:
+    """What a user chose for a :class:`~lightning_blockwise.BlockwiseStrategy`, checked; the strategy's ``options``.
+
+    The strategy's arguments of the same names, as its run reads them (see the strategy for each one's meaning);
+    built by :meth:`checked`, which refuses a wrong type, range or combination before any work.
+
+    Attributes:
+        vram_budget: The budget in bytes; ``None`` with ``"card"`` (:attr:`uses_card`) or no budget.
+        uses_card: Whether the run plans for the card's budget (``vram_budget="card"``), measured at each setup.
+    """
+
+    block_size: int = 1
+    prefetch_depth: int = 2
+    vram_budget: int | None = None
+    uses_card: bool = True
+    budget_tokens: int | None = None
+    offload_activations: bool | int | None = None
+    keep_activations: bool = True
+    allow_unvalidated: bool = False
+    save_frozen_base: bool = False
+    share_host_copy: bool | None = None
+    block_major_accumulation: bool = False
+    input_checkpoint_every: int | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        vram_budget: int | str | None,
+        device: _DEVICE | None = None,
+        parallel_devices: Any = None,
+        ddp_kwargs: Any = None,
+        **options: Any,
+    ) -> BlockwiseOptions:
+        """The options, or the first one that is wrong refused naming its value and the fix.
+
+        Args:
+            vram_budget: ``"card"``, bytes, a size such as ``"16GiB"``, or ``None``.
+            device: The strategy's ``device`` argument (checked, not kept).
+            parallel_devices: The strategy's ``parallel_devices`` argument (checked, not kept).
+            ddp_kwargs: The strategy's ``ddp_kwargs`` argument (checked, not kept).
+            options: The other fields by name.
+
+        Raises:
+            MisconfigurationException: Naming the option, its value and the fix.
+        """
+        _check_options(device=device, parallel_devices=parallel_devices, ddp_kwargs=ddp_kwargs, **options)
+        return cls(vram_budget=budget_bytes(vram_budget), uses_card=vram_budget == CARD, **options)
+
+
+def _check_options(
     *,
     block_size: Any,
     prefetch_depth: Any,
@@ -235,6 +286,7 @@ def refuse_8bit_linears(layers: Sequence[nn.Module]) -> None:
 
 __all__ = [
     "CARD",
+    "BlockwiseOptions",
     "budget_bytes",
     "check_bool",
     "check_count",
@@ -242,7 +294,6 @@ __all__ = [
     "check_input_checkpoints",
     "check_offload",
     "check_optional_bool",
-    "check_options",
     "offload_split",
     "refuse_8bit_linears",
     "refuse_accelerate_hooks",

@@ -1,52 +1,75 @@
-"""What callbacks ask a blockwise strategy: the plan, the streamer's observer, and a resident prefix for a reference.
+"""The base of ``BlockwiseStrategy`` that owns its run: what callbacks ask of the strategy, answered from the run.
 
-A read-only surface (and two context managers) over the strategy's set-up state, so that callbacks such as
-``ParityCheck`` and ``BlockwiseProfiler`` never reach into its internals (issue 11).
+A read-only surface (and two context managers) over the run the strategy builds at setup, so that callbacks such
+as ``ParityCheck`` and ``BlockwiseProfiler`` never reach into its internals (issue 11).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
 from lightning_blockwise.planning import ResidencyPlan
 from lightning_blockwise.planning.step_plan import StepPlan
 from lightning_blockwise.residency.activations import ActivationOffload
+from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.residency.stream_observer import StreamObserver
 from lightning_blockwise.residency.streamer import BlockStreamer
+from lightning_blockwise.strategy.data_parallel import DataParallelStrategy
 from lightning_blockwise.strategy.module_budget import reference_headroom
+from lightning_blockwise.strategy.options import BlockwiseOptions
+from lightning_blockwise.strategy.run import BlockwiseRun
 from lightning_blockwise.strategy.step_planner import StepPlanner
-from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 
-class BlockwiseQueries:
-    """The strategy's answers to its callbacks; mixed into :class:`~lightning_blockwise.BlockwiseStrategy`."""
+class BlockwiseQueries(DataParallelStrategy):
+    """A data-parallel strategy that owns a blockwise run and answers its callbacks from it.
 
-    _layers: StreamedStack | None
-    _planner: StepPlanner | None
-    _host_copy: HostCopy | None
-    _observer: StreamObserver
-    vram_budget: int | None
-    planned_budget: int | None  # the strategy's property
-    root_device: torch.device  # the strategy's property
+    :class:`~lightning_blockwise.BlockwiseStrategy` builds the run at setup and closes it at
+    teardown; what it keeps between runs lives here too: the decoder stack's blocks, the host copy (it lives with
+    the module) and the observer its streamers report to.
+
+    Args:
+        options: The user's options, checked.
+        kwargs: :class:`~lightning_blockwise.strategy.data_parallel.DataParallelStrategy`'s arguments.
+    """
+
+    def __init__(self, options: BlockwiseOptions, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: The user's options, checked (:class:`~lightning_blockwise.strategy.options.BlockwiseOptions`).
+        self.options = options
+        #: The decoder stack's blocks, set at setup.
+        self.plan: BlockPlan | None = None
+        # The run set up for the Trainer function in progress; `None` before setup and after teardown.
+        self._run: BlockwiseRun | None = None
+        # The latest run's planner, kept after teardown as the host copy is: its plans stay what it planned.
+        self._planner: StepPlanner | None = None
+        self._host_copy: HostCopy | None = None
+        self._observer = StreamObserver()
+
+    @property
+    def planned_budget(self) -> int | None:
+        """The budget the run plans for: the user's ``vram_budget``, or the card's measured at setup, else ``None``."""
+        return self._run.budget if self._run is not None else self.options.vram_budget
 
     @property
     def streamer(self) -> BlockStreamer | None:
         """The streamer feeding the decoder layers now (replaced at times: :meth:`set_observer`)."""
-        return None if self._layers is None else self._layers.streamer
+        return None if self._run is None else self._run.layers.streamer
 
     @property
     def layers(self) -> list[torch.nn.Module]:
         """The rematerialized decoder layers, in order (empty before setup and after teardown)."""
-        return [] if self._layers is None else self._layers.layers
+        return [] if self._run is None else self._run.layers.layers
 
     @property
     def activation_offload(self) -> ActivationOffload | None:
         """Where layer inputs wait for the backward when offloaded (NOTE [ Layer-input offload ]), else ``None``."""
-        return None if self._layers is None else self._layers.offload
+        return None if self._run is None else self._run.layers.offload
 
     @property
     def host_copy(self) -> HostCopy | None:
@@ -73,8 +96,8 @@ class BlockwiseQueries:
         Args:
             num_blocks: Leading blocks run resident, from ``0`` to ``plan.num_blocks``.
         """
-        assert self._planner is not None
-        return self._planner.resident_prefix_bytes(num_blocks)
+        assert self._run is not None
+        return self._run.planner.resident_prefix_bytes(num_blocks)
 
     def reference_headroom(self) -> int | None:
         """Device bytes a resident reference step may take now beyond the run's planned peak (``None``: no limit).
@@ -108,8 +131,8 @@ class BlockwiseQueries:
             strategy.set_observer(None)  # in on_train_end
         """
         self._observer = StreamObserver() if observer is None else observer
-        if self._layers is not None:
-            self._layers.set_observer(self._observer)
+        if self._run is not None:
+            self._run.layers.set_observer(self._observer)
 
     @contextmanager
     def resident_prefix(self, num_blocks: int) -> Iterator[None]:
@@ -133,9 +156,9 @@ class BlockwiseQueries:
                 loss = module.training_step(batch, 0)  # as under strategy="auto"
                 loss.backward()
         """
-        assert self._layers is not None
+        assert self._run is not None
         # NOTE [ Resident prefix ] in streamed_stack.py. Steps run inside are not the run's: the planner sits out.
-        with self._layers.resident_prefix(num_blocks), self._planner_paused():
+        with self._run.layers.resident_prefix(num_blocks), self._planner_paused():
             yield
 
     @contextmanager
@@ -144,12 +167,12 @@ class BlockwiseQueries:
 
         What ``ParityCheck``'s blockwise arm runs (NOTE [ Kept activations ] in planning/memory.py).
         """
-        assert self._layers is not None
-        with self._layers.all_rematerialized(), self._planner_paused():
+        assert self._run is not None
+        with self._run.layers.all_rematerialized(), self._planner_paused():
             yield
 
     def _planner_paused(self) -> AbstractContextManager[None]:
-        return self._planner.paused() if self._planner is not None else nullcontext()
+        return self._run.planner.paused() if self._run is not None else nullcontext()
 
 
 __all__ = ["BlockwiseQueries"]

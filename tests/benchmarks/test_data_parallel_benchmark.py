@@ -16,18 +16,26 @@ def test_block_major_arm_streams_every_block_in_windows() -> None:
     args = parse_args(_args("--arm", BLOCK_MAJOR, "--accumulate", "4", "--devices", "2"))
     assert args.accumulate == 4
     strategy = arm_strategy(args.arm, args.devices, args.seq)
-    assert isinstance(strategy, BlockwiseStrategy) and strategy.block_major_accumulation
+    assert isinstance(strategy, BlockwiseStrategy) and strategy.options.block_major_accumulation
     # Every block streamed (no budget, not the card's): the copies a window saves are what the arm measures.
-    assert strategy.vram_budget is None and not strategy.uses_card and strategy.budget_tokens == args.seq
+    assert (
+        strategy.options.vram_budget is None
+        and not strategy.options.uses_card
+        and strategy.options.budget_tokens == args.seq
+    )
 
 
 def test_the_other_arms() -> None:
     args = parse_args(_args("--arm", "blockwise"))
     assert args.accumulate == 1
     plain = arm_strategy("blockwise", 2, 2048)
-    assert isinstance(plain, BlockwiseStrategy) and plain.vram_budget is None and not plain.block_major_accumulation
+    assert (
+        isinstance(plain, BlockwiseStrategy)
+        and plain.options.vram_budget is None
+        and not plain.options.block_major_accumulation
+    )
     budget = arm_strategy("blockwise:20GiB", 2, 2048)
-    assert isinstance(budget, BlockwiseStrategy) and budget.vram_budget == 20 * 2**30
+    assert isinstance(budget, BlockwiseStrategy) and budget.options.vram_budget == 20 * 2**30
     assert arm_strategy("ddp", 2, 2048) == "ddp" and arm_strategy("ddp", 1, 2048) == "auto"
 
 

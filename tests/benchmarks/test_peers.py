@@ -343,17 +343,17 @@ def test_unsloth_arm_profiles_one_extra_step(tmp_path: Path, monkeypatch: pytest
 def test_noattn_plans_without_kept_attention_in_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """``ours+noattn``: every StepBudget the strategy builds in that process keeps no attention outputs."""
     from lightning_blockwise.planning.step_budget import StepBudget
-    from lightning_blockwise.strategy import blockwise
+    from lightning_blockwise.strategy import run as strategy_run
 
     stub = StepBudget(
         config=None, num_layers=1, activation_bytes=2, block_bytes=[1], prefetch_depth=1, fixed_bytes=0,
         trainable_bytes=0, budget=None, offload=None, loss_chunk_tokens=None, mlp_tile_tokens=None, device_limit=None,
     )  # fmt: skip
-    monkeypatch.setattr(blockwise, "module_budget", lambda *args, **kwargs: stub)
+    monkeypatch.setattr(strategy_run, "module_budget", lambda *args, **kwargs: stub)
     # Control: the plain arm leaves the planner as it is.
     lightning_arm.strategy_for(parse_arm("ours"), parse_point("random:64x1"), {})
-    assert blockwise.module_budget().keep_attention
+    assert strategy_run.module_budget().keep_attention
     for _ in range(2):  # a second point of the arm does not wrap the wrapper
         lightning_arm.strategy_for(parse_arm("ours+noattn"), parse_point("random:64x1"), {})
-    assert blockwise.module_budget().keep_attention is False
-    assert blockwise.module_budget.keeps_no_attention  # type: ignore[attr-defined]
+    assert strategy_run.module_budget().keep_attention is False
+    assert strategy_run.module_budget.keeps_no_attention  # type: ignore[attr-defined]

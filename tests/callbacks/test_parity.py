@@ -4,6 +4,7 @@ tells a nondeterministic stack from a broken replay, checks a prefix when the re
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -305,7 +306,7 @@ def test_reference_limit_respects_a_per_process_memory_fraction(monkeypatch: pyt
     assert strategy.reference_headroom() == 13.5 * gb
     # The budget binds tighter still: as the allocator's cap, 10 GB hold (10 GB - 128 MiB) / 1.1 of allocations
     # (NOTE [ A budget is a cap on the card ]), less the 8 planned.
-    strategy.vram_budget = 10 * gb
+    strategy.options = dataclasses.replace(strategy.options, vram_budget=10 * gb)
     assert strategy.reference_headroom() == (10 * gb - 128 * 2**20) * 100 // 110 - 8 * gb
 
 

@@ -83,7 +83,7 @@ def test_print_config_keeps_the_strategy_class_path(capsys: pytest.CaptureFixtur
 def test_demo_config_instantiates_a_blockwise_strategy(tmp_path: Path) -> None:
     cli = build_cli(["--config", str(DEMO_CONFIG), *_into(tmp_path), "--trainer.strategy.block_size=2"], run=False)
     assert isinstance(cli.trainer.strategy, BlockwiseStrategy)
-    assert cli.trainer.strategy.block_size == 2
+    assert cli.trainer.strategy.options.block_size == 2
 
 
 @pytest.mark.parametrize(("name", "expected"), [("blockwise", BlockwiseStrategy), ("auto", SingleDeviceStrategy)])

@@ -70,7 +70,7 @@ def test_rewrite_renames_lightning_and_twinned_modules_only() -> None:
     source = (
         "from lightning.pytorch import Trainer\nfrom lightning.fabric.plugins import CheckpointIO\n"
         "from lightning_blockwise.strategy.blockwise import BlockwiseStrategy\n"
-        "from lightning_blockwise.strategy.queries import BlockwiseQueries\nfrom lightning_blockwise import X\n"
+        "from lightning_blockwise.strategy.streamed_stack import StreamedStack\nfrom lightning_blockwise import X\n"
         "import lightning_blockwise\nfrom lightning_utilities import y\n"
     )
     assert lightning_namespaces.rewrite(source).splitlines() == [
@@ -78,7 +78,7 @@ def test_rewrite_renames_lightning_and_twinned_modules_only() -> None:
         "from lightning_fabric.plugins import CheckpointIO",
         "from lightning_blockwise.pl.strategy.blockwise import BlockwiseStrategy",
         # Control: shared modules, the bare package name and other libraries keep their names.
-        "from lightning_blockwise.strategy.queries import BlockwiseQueries",
+        "from lightning_blockwise.strategy.streamed_stack import StreamedStack",
         "from lightning_blockwise.pl import X",
         "import lightning_blockwise",
         "from lightning_utilities import y",
@@ -86,8 +86,8 @@ def test_rewrite_renames_lightning_and_twinned_modules_only() -> None:
     # User code never passes through the finder; a shared module under the twin package is the original itself.
     assert lightning_namespaces._FINDER.find_spec("tests.helpers.models", None) is None
     assert (
-        importlib.import_module("lightning_blockwise.pl.strategy.queries")
-        is sys.modules["lightning_blockwise.strategy.queries"]
+        importlib.import_module("lightning_blockwise.pl.strategy.streamed_stack")
+        is sys.modules["lightning_blockwise.strategy.streamed_stack"]
     )
 
 
@@ -112,7 +112,8 @@ def test_pytorch_lightning_stays_optional(monkeypatch: pytest.MonkeyPatch) -> No
 def test_an_instance_becomes_the_twin_of_the_trainer_that_adopts_it() -> None:
     strategy = BlockwiseStrategy(block_size=3, prefetch_depth=4)
     assert pl_trainer(strategy).strategy is strategy
-    assert type(strategy) is blockwise_pl.BlockwiseStrategy and (strategy.block_size, strategy.prefetch_depth) == (3, 4)
+    assert type(strategy) is blockwise_pl.BlockwiseStrategy
+    assert (strategy.options.block_size, strategy.options.prefetch_depth) == (3, 4)
     assert isinstance(strategy, BlockwiseStrategy) and isinstance(strategy.accelerator, pl.accelerators.Accelerator)
     # Control: a lightning.pytorch Trainer keeps the class as built.
     kept = BlockwiseStrategy(block_size=3)
@@ -197,7 +198,7 @@ def test_pytorch_lightning_cli(tmp_path: Path, strategy_yaml: Any) -> None:
     assert isinstance(cli.trainer.strategy, BlockwiseStrategy) and cli.trainer.global_step == 2
     assert cli.trainer.callbacks[0].result.passed  # type: ignore[attr-defined]
     if isinstance(strategy_yaml, dict):
-        assert cli.trainer.strategy.block_size == 2  # type: ignore[attr-defined]
+        assert cli.trainer.strategy.options.block_size == 2  # type: ignore[attr-defined]
     # Control: the lightning.pytorch module is not a `pytorch_lightning.LightningModule`; jsonargparse refuses it.
     model["class_path"] = "lightning_blockwise.demos.tiny.DemoCausalLM"
     config.write_text(yaml.safe_dump({"trainer": trainer, "model": model, "data": data}))

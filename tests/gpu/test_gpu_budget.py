@@ -86,7 +86,7 @@ def test_the_card_is_the_default_budget_and_training_stays_exact(qwen2_checkpoin
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             strategy = trainer.strategy
             plan = strategy.residency_plan
-            plans.append((len(plan.resident), len(plan.kept), strategy.plan.num_blocks, strategy.uses_card))
+            plans.append((len(plan.resident), len(plan.kept), strategy.plan.num_blocks, strategy.options.uses_card))
 
     resident = fit_on_gpu(build, "auto", steps=3, accumulate=2, seq=512)
     card = fit_on_gpu(build, BlockwiseStrategy(), steps=3, accumulate=2, seq=512, callbacks=[_Record()])

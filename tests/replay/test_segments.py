@@ -247,7 +247,7 @@ class _KeepStreamedBlocks(Callback):
         self.kept = kept
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy._layers.restream(resident=(), kept=self.kept)
+        trainer.strategy._run.layers.restream(resident=(), kept=self.kept)
 
 
 @pytest.mark.parametrize(

@@ -189,7 +189,7 @@ def _lean_fitted(strategy: Any) -> pl.Trainer:
 def test_a_lean_save_on_a_full_disk_leaves_no_file_under_its_name(full_disk: Path) -> None:
     """A full disk mid-write: the error names the file, and the name keeps what it held (here: nothing)."""
     fitted = _lean_fitted(BlockwiseStrategy())
-    assert not fitted.strategy.save_frozen_base
+    assert not fitted.strategy.options.save_frozen_base
     with pytest.raises(OSError, match=r"No space left on the device to write the checkpoint .*last\.ckpt") as raised:
         fitted.save_checkpoint(full_disk / "last.ckpt")
     assert raised.value.errno == errno.ENOSPC

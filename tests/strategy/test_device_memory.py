@@ -250,8 +250,9 @@ def test_card_is_the_strategys_default_and_none_streams_every_block() -> None:
     from lightning_blockwise import BlockwiseStrategy
 
     default = BlockwiseStrategy()
-    assert default.uses_card and default.vram_budget is None and default.planned_budget is None  # measured at setup
+    # The card's budget is measured at setup.
+    assert default.options.uses_card and default.options.vram_budget is None and default.planned_budget is None
     streamed = BlockwiseStrategy(vram_budget=None)
-    assert not streamed.uses_card and streamed.planned_budget is None
+    assert not streamed.options.uses_card and streamed.planned_budget is None
     set_budget = BlockwiseStrategy(vram_budget="16GiB")
-    assert not set_budget.uses_card and set_budget.planned_budget == 16 * 2**30
+    assert not set_budget.options.uses_card and set_budget.planned_budget == 16 * 2**30

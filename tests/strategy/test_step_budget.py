@@ -27,7 +27,8 @@ from lightning_blockwise.planning.step_budget import StepBudget, host_room
 from lightning_blockwise.replay.segments import Segment
 from lightning_blockwise.residency.activations import ActivationOffload
 from lightning_blockwise.residency.base import Pass
-from lightning_blockwise.strategy import blockwise, module_budget, step_planner
+from lightning_blockwise.strategy import module_budget, step_planner
+from lightning_blockwise.strategy import run as strategy_run
 from lightning_blockwise.strategy.step_planner import StepPlanner
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 from tests.helpers.callbacks import ForwardCounts
@@ -365,7 +366,7 @@ def test_the_host_share_is_that_of_the_ranks_on_this_machine(monkeypatch: pytest
         captured.update(kwargs)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(blockwise, "module_budget", capture)
+    monkeypatch.setattr(strategy_run, "module_budget", capture)
     monkeypatch.setattr(BlockwiseStrategy, "num_processes", property(lambda self: 3))
     monkeypatch.setattr(BlockwiseStrategy, "world_size", property(lambda self: 6))
     monkeypatch.setattr(BlockwiseStrategy, "is_distributed", property(lambda self: False))
@@ -543,7 +544,7 @@ def test_a_replan_moves_the_inputs_from_one_host_split_to_another_exactly(
 
     class Slabs(Callback):
         def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, index: int) -> None:
-            layers = strategy._layers
+            layers = strategy._run.layers
             assert layers is not None and layers.offload is not None
             seen.append((layers.offloaded_layers, layers.offload.host_bytes))
 

@@ -62,7 +62,7 @@ def test_string_strategy_lands_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_instance_keeps_its_options() -> None:
     strategy = trainer(BlockwiseStrategy(block_size=3, prefetch_depth=4)).strategy
-    assert (strategy.block_size, strategy.prefetch_depth, strategy.root_device.type) == (3, 4, "cpu")
+    assert (strategy.options.block_size, strategy.options.prefetch_depth, strategy.root_device.type) == (3, 4, "cpu")
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_lightning_cli_yaml_forms(tmp_path: Path, strategy_yaml: Any) -> None:
     cli = LightningCLI(LightningModule, run=False, args=["--config", str(config)])
     assert isinstance(cli.trainer.strategy, BlockwiseStrategy)
     if isinstance(strategy_yaml, dict):
-        assert (cli.trainer.strategy.block_size, cli.trainer.strategy.prefetch_depth) == (2, 3)
+        assert (cli.trainer.strategy.options.block_size, cli.trainer.strategy.options.prefetch_depth) == (2, 3)
 
 
 def test_module_is_restored_and_reusable_after_fit() -> None:
@@ -278,8 +278,8 @@ def test_error_bad_vram_budget_when_built(budget: Any, match: str) -> None:
 
 
 def test_vram_budget_accepts_bytes_and_sizes() -> None:
-    assert BlockwiseStrategy(vram_budget=2**30).vram_budget == 2**30
-    assert BlockwiseStrategy(vram_budget="1.5GiB").vram_budget == 3 * 2**29
+    assert BlockwiseStrategy(vram_budget=2**30).options.vram_budget == 2**30
+    assert BlockwiseStrategy(vram_budget="1.5GiB").options.vram_budget == 3 * 2**29
 
 
 @pytest.mark.parametrize("how", ["module", "inner"])

@@ -125,7 +125,7 @@ def test_control_without_the_refusal_accelerate_hooks_fire_twice_a_step(
 ) -> None:
     """Why the refusal: let through, each hook (on the layer, and on the MLP inside it) fires in the forward and again
     in the recompute, 6 times in 3 steps where resident training fires 3."""
-    monkeypatch.setattr("lightning_blockwise.strategy.blockwise.refuse_accelerate_hooks", lambda layers: None)
+    monkeypatch.setattr("lightning_blockwise.strategy.run.refuse_accelerate_hooks", lambda layers: None)
     outputs: list[list[Tensor]] = []
 
     def make() -> PlainLoRA:
