@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,17 +10,29 @@ import transformers
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.models import CONFIGS, save_checkpoint
+from tests.helpers.gpu_gate import unresolved_fixtures
+from tests.helpers.models import CONFIGS, GPU_SHAPES, save_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The one GPU gate: tests marked ``gpu`` are skipped without a CUDA device."""
+    """The one GPU gate: tests marked ``gpu`` are skipped without a CUDA device, once they are known to set up.
+
+    GPU tests live beside their subject (``tests/<folder>/test_gpu_*.py``, or a test marked ``gpu`` in a CPU file);
+    ``tools/gpu-suite`` runs them on a GPU. A GPU test that asks for a fixture nothing defines stops the run here, on
+    the CPU too (:func:`~tests.helpers.gpu_gate.unresolved_fixtures`).
+
+    Raises:
+        pytest.UsageError: Naming each GPU test and the fixtures it lacks.
+    """
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    lacking = [f"{item.nodeid}: {', '.join(names)}" for item in gpu if (names := unresolved_fixtures(item))]
+    if lacking:
+        raise pytest.UsageError("GPU tests ask for fixtures that nothing defines:\n" + "\n".join(lacking))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked `gpu`)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +54,33 @@ def _restore_global_state() -> Iterator[None]:
             del rank_zero_only.rank
     else:
         rank_zero_only.rank = rank
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_device_memory() -> Iterator[None]:
+    """On a GPU, after each module, free what its runs left on the device (results, cycles), so the next starts clean.
+
+    Budget tests cap the allocator at a planned peak plus what the process already holds; memory an earlier module
+    left allocated, or cached in segments it still partly uses, counted into that cap and made the order of the
+    modules matter. Nothing to free on the CPU.
+    """
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init Qwen2.5-1.5B-shaped bf16 checkpoint, built on the GPU and saved once per test module."""
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(GPU_SHAPES["qwen2"](), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
 
 
 @pytest.fixture(scope="session")

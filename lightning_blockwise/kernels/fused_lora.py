@@ -34,7 +34,7 @@ from torch import Tensor, nn
 #
 # It differs from PEFT's forward by rounding only, so, like the Liger kernels, it is the module's choice: installed
 # on the module, it runs under every strategy and blockwise == resident holds for that module
-# (tests/kernels/test_fused_lora.py; on the GPU tests/gpu/test_gpu_fused_lora.py). The addmm runs outside autocast
+# (tests/kernels/test_fused_lora.py; on the GPU tests/kernels/test_gpu_fused_lora.py). The addmm runs outside autocast
 # with its operands in the base output's dtype: a bf16 output gets the bf16 GEMM autocast would run; an fp32 one
 # (fp32 hidden states over an NF4 base) stays fp32, as PEFT's sum with an fp32 output does, its update computed in
 # fp32 where PEFT's is bf16; an fp32 adapter on a bf16 base without autocast computes its second matmul in bf16,

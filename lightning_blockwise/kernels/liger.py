@@ -52,7 +52,7 @@ from lightning_blockwise.kernels.forwards import (
 # The kernels change the rounding against the unpatched model (a fused SiLU*up, an RMSNorm that
 # reduces in another order), so, like the chunked loss and the tiled MLP, they are the module's
 # choice: installed on the module, they run under `strategy="auto"` and `"blockwise"` alike, and
-# blockwise == resident holds for that module (tests/gpu/test_gpu_kernels.py). The replay captures the
+# blockwise == resident holds for that module (tests/kernels/test_gpu_kernels.py). The replay captures the
 # layer's call arguments; the kernels read the position embeddings and never write them, so the
 # replayed forward sees what the first one saw. Liger's Triton kernels need CUDA: every installed
 # forward refuses a tensor elsewhere at its first call, never falling back to the slow path in silence.

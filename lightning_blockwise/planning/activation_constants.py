@@ -10,7 +10,7 @@ from __future__ import annotations
 #: outputs), log-softmax's fp32 output (saved for its backward) and the fp32 gradient flowing
 #: through it, with part of a second one (12 fit the 7B-72B H100 peaks in benchmarks/RESULTS.md, but a
 #: Qwen2.5-1.5B step at 4096 tokens, logits-bound, allocated 0.4% over a plan made with 12:
-#: tests/gpu/test_gpu_budget.py; 12.5 covers it).
+#: tests/strategy/test_gpu_budget.py; 12.5 covers it).
 LOGIT_BYTES_PER_ENTRY = 12.5
 #: The same for a chunk of :func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`, which keeps no bf16
 #: logits for the outputs: its fp32 upcast, log-softmax's output and the gradients through them. The three H100 points

@@ -16,12 +16,12 @@ from lightning_blockwise.planning.units import format_gib, format_mib
 ALLOCATOR_HEADROOM_PERCENT = 10
 #: And a fixed slack over it for the caching allocator's segments (2 MiB and 20 MiB ones, partly used), which
 #: only small budgets notice: caps of 27 and 67 MiB ran out of memory at 6 and 28 MiB allocated (H100, a small
-#: Llama in tests/gpu/test_gpu_streaming.py).
+#: Llama in tests/residency/test_gpu_streaming.py).
 ALLOCATOR_SLACK = 128 * 2**20
 #: Threads whose matmuls each get a cuBLAS workspace from the caching allocator during a step: the
 #: forward's and autograd's device thread (a workspace belongs to a handle, and handles to threads).
 #: Freed by ``torch.cuda.empty_cache`` and allocated again at the next matmul, so they count in the
-#: step's peak: 2 x 32 MiB measured on the H100 (tests/gpu/test_gpu_streaming.py, a model small
+#: step's peak: 2 x 32 MiB measured on the H100 (tests/residency/test_gpu_streaming.py, a model small
 #: enough for them to be most of its peak).
 BLAS_THREADS = 2
 #: One cuBLAS workspace under torch's default on Hopper and later (``CUBLAS_WORKSPACE_CONFIG=:4096:8``);

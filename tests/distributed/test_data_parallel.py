@@ -29,7 +29,7 @@ from tests.helpers.models import (
 )
 from tests.helpers.ranks import ROOT, assert_succeeded, clean_env, free_port, run_ranks
 
-# The names tests/distributed/test_nodes.py and tests/gpu/test_gpu_data_parallel.py import from here.
+# The names tests/distributed/test_nodes.py and tests/distributed/test_gpu_data_parallel.py import from here.
 _env, _free_port = clean_env, free_port
 __all__ = ["ROOT", "_env", "_free_port", "_worker", "run_external"]
 

@@ -3,7 +3,7 @@
 NOTE [ A dead rank ends the run ] in lightning_blockwise/strategy/rank_watchdog.py. On CPUs gloo notices a closed
 peer socket by itself, so the watchdog's own part is tested with a survivor that waits outside any collective (as a
 rank blocked in NCCL does); the training run checks the bound, the freed processes and the exact resume. The GPU test
-(tests/gpu/test_gpu_data_parallel.py) kills a rank of an NCCL run.
+(tests/distributed/test_gpu_data_parallel.py) kills a rank of an NCCL run.
 """
 
 from __future__ import annotations

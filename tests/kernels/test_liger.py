@@ -2,7 +2,7 @@
 
 Liger's Triton kernels cannot run here; the tests that compute swap them for torch references of the same signature
 (``reference_kernels``), so the installed forwards, the attention's rebuilt forward and the replay's recompute run for
-real. The kernels themselves: tests/gpu/test_gpu_kernels.py.
+real. The kernels themselves: tests/kernels/test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -321,12 +321,12 @@ def test_the_planner_counts_the_fused_activation_out_of_a_kept_graph() -> None:
     plain = budget(model)
     use_liger_kernels(model, rms_norm=False, rope=False)
     fused = budget(model)
-    assert fused.fused_mlp and not plain.fused_mlp
-    assert not fused.fused_norm
+    assert fused.kernels.fused_mlp and not plain.kernels.fused_mlp
+    assert not fused.kernels.fused_norm
     tokens = 4096
     config = model.get_base_model().config
     saved = plain.layer_graph(tokens) - fused.layer_graph(tokens)
     one_mlp_tensor = tokens * config.intermediate_size * plain.activation_bytes
     assert one_mlp_tensor <= saved <= one_mlp_tensor * 1.05  # the allocator's rounding on top (2%)
     unuse_liger_kernels(model)
-    assert not budget(model).fused_mlp
+    assert not budget(model).kernels.fused_mlp

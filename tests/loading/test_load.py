@@ -460,7 +460,7 @@ def test_gpu_bytes_and_load_peak(gpu_checkpoint: Path) -> None:
 def test_gpu_training_equals_standard_path(gpu_checkpoint: Path) -> None:
     """Two optimizer steps on the GPU from either load are `torch.equal`.
 
-    Deterministic algorithms, as in tests/gpu: run with `CUBLAS_WORKSPACE_CONFIG=:4096:8`.
+    Deterministic algorithms, as in the GPU tests: run with `CUBLAS_WORKSPACE_CONFIG=:4096:8`.
     """
     torch.use_deterministic_algorithms(True)
     wrap = _lora("llama")

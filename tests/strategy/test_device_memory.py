@@ -1,6 +1,6 @@
 """The allocator under a budget: the user's PYTORCH_CUDA_ALLOC_CONF read, bad budgets refused, the cap set and put back.
 
-The CUDA calls are stood in for on the CPU; `tests/gpu/test_gpu_budget.py` runs the real ones.
+The CUDA calls are stood in for on the CPU; `tests/strategy/test_gpu_budget.py` runs the real ones.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Lightning has no fp16 autocast on the CPU: ``Trainer(accelerator="cpu", precisio
 is not supported on CPU. Using `precision='bf16-mixed'` instead." and trains under bf16 autocast, without a
 ``GradScaler``. That run, auto vs blockwise, is here, with the 4-bit layers computing in fp16 and the rest of the base
 in fp32: a base loaded whole in fp16 (``dtype=torch.float16``) fails on the CPU under every strategy, in torch's bf16
-autocast. The fp16 base with its ``GradScaler`` is on the GPU (tests/gpu/test_gpu_fp16.py, this client).
+autocast. The fp16 base with its ``GradScaler`` is on the GPU (tests/zoo/test_gpu_fp16.py, this client).
 """
 
 from __future__ import annotations

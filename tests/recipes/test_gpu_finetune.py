@@ -1,6 +1,6 @@
 """`CausalLMFineTune` on the GPU: the base loads straight into the strategy's pinned arena and trains.
 
-Run on a CUDA machine: `python -m pytest tests/gpu/test_gpu_finetune.py -s`.
+Run on a CUDA machine: `python -m pytest tests/recipes/test_gpu_finetune.py -s`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GPU: Liger-Kernel's layers (``use_liger_kernels``) train blockwise exactly as resident, and how much faster they are.
 
 One command runs both tests (the parity test in deterministic mode, the timing in default mode):
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_kernels.py -s`
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/kernels/test_gpu_kernels.py -s`
 (needs `pip install "lightning-blockwise[kernels]"`).
 """
 

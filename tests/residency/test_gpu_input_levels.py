@@ -1,6 +1,6 @@
 """GPU: layer inputs split between card and host, and input checkpoints, are exact (deterministic mode).
 
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_input_levels.py -s` on a CUDA machine. An
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/residency/test_gpu_input_levels.py -s` on a CUDA machine. An
 8-layer bf16 Llama (hidden 512) loaded as NF4 with LoRA r8 and dropout 0.05, bf16-mixed, 3 optimizer steps of 2
 micro-batches of 2 x 256 tokens; prints each arm's peak allocated memory, pinned input bytes and transfers.
 """

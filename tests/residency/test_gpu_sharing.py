@@ -1,6 +1,6 @@
 """GPU: a process that maps another process's host copy (read-only, page-locked) trains exactly as with its own.
 
-`python -m pytest tests/gpu/test_gpu_sharing.py -s` (NOTE [ One host copy per machine ] in
+`python -m pytest tests/residency/test_gpu_sharing.py -s` (NOTE [ One host copy per machine ] in
 residency/shared_arena.py). Two processes on one GPU: a worker loads the base and holds it; this process
 loads the same checkpoint, maps the worker's arena with `cudaHostRegisterReadOnly`, and streams from it.
 """

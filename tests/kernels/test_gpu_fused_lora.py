@@ -1,6 +1,6 @@
 """GPU: the fused LoRA update (``use_fused_lora``) trains blockwise exactly as resident, on NF4 bases in bf16.
 
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_fused_lora.py -s` (deterministic mode).
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/kernels/test_gpu_fused_lora.py -s` (deterministic mode).
 """
 
 from __future__ import annotations

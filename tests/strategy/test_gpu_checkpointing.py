@@ -1,6 +1,6 @@
 """Checkpoints on the GPU: full-state files read the host copy while blocks sit in device slots; exact resume.
 
-Run on a CUDA machine: `CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_checkpointing.py -s`
+Run on a CUDA machine: `CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/strategy/test_gpu_checkpointing.py -s`
 (deterministic mode: on the GPU resident training is reproducible only there, DESIGN.md section 2).
 """
 

@@ -2,7 +2,7 @@
 
 An untied embedding stays on the host under ``BlockwiseStrategy``, so the model's ``device`` reads "cpu" and
 ``generate`` moves each step's inputs there; the inputs hook brings them back to the card. Run on a CUDA machine in
-deterministic mode: ``CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_generate.py -s``.
+deterministic mode: ``CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/residency/test_gpu_generate.py -s``.
 """
 
 from __future__ import annotations

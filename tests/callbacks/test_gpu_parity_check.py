@@ -1,6 +1,6 @@
 """``ParityCheck`` on a CUDA device: it passes, leaves no trace, and checks a prefix when the reference does not fit.
 
-`python -m pytest tests/gpu/test_gpu_parity_check.py -s` on a CUDA machine (small shapes, deterministic mode).
+`python -m pytest tests/callbacks/test_gpu_parity_check.py -s` on a CUDA machine (small shapes, deterministic mode).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ compute, LoRA r=16 with dropout 0.1 on every projection, 2 micro-batches of 512 
 dropout 0, 3 micro-batches), on a Qwen2.5-1.5B-shaped model cut to 8 layers (each layer of the real shape). Each
 rank is a process (`tests/helpers/ddp_worker.py --gpu`), as torchrun starts them. Needs two CUDA devices; skipped
 otherwise.
-Run: `NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_data_parallel.py`.
+Run: `NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/distributed/test_gpu_data_parallel.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DoRA's factored row norm on the GPU: blockwise == resident bit for bit, and how far it is from PEFT's dense norm.
 
 One command, deterministic mode (cuBLAS reads its workspace setting once per process):
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_dora.py -s`.
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/adapters/test_gpu_dora.py -s`.
 The parity runs train real-architecture shapes cut to a few layers (Qwen2.5-1.5B and Llama-3.2-1B widths,
 random-init NF4 base, DoRA with dropout 0.1 on the seven projections); the norm test measures the factored
 norm against PEFT's in bf16 at real projection shapes (docs/dora-norm.md has the CPU table).

@@ -2,7 +2,7 @@
 
 A Qwen2.5-1.5B-shaped bf16 checkpoint (random init), LoRA r=16 on the seven projections, seq 512,
 bf16-mixed, deterministic mode (DESIGN.md section 2: resident == resident needs it on the H100):
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_dense.py -s`.
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/loading/test_gpu_dense.py -s`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The client is ``tests/zoo/test_half_precision.py``'s ``HalfLoRA`` as a T4/V100 s
 are compared with ``torch.equal`` in every loss, gradient (as the optimizer step sees it: unscaled), trained tensor,
 AdamW state, logged metric, file name, and the ``GradScaler``'s state (its scale and growth tracker) after the run;
 the control runs the blockwise arm without RNG replay, which must differ. Every block streams (``vram_budget=None``).
-Run: ``CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_fp16.py -s`` (seconds: a tiny model).
+Run: ``CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/zoo/test_gpu_fp16.py -s`` (seconds: a tiny model).
 """
 
 from __future__ import annotations

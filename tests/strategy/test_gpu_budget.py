@@ -1,7 +1,7 @@
 """GPU: a budget sized at short batches holds when longer ones come (the plan is made again before their step).
 
-`python -m pytest tests/gpu/test_gpu_budget.py -s` (default mode) and, for the exactness of the card's default
-budget, `CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_budget.py -s -k card`.
+`python -m pytest tests/strategy/test_gpu_budget.py -s` (default mode) and, for the exactness of the card's default
+budget, `CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/strategy/test_gpu_budget.py -s -k card`.
 The budget is the caching allocator's cap during the run (NOTE [ A budget is a cap on the card ]).
 """
 

@@ -1,6 +1,6 @@
 """GPU: layer-input offload is exact; the chunked loss against Hugging Face's at a real vocabulary.
 
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_long_context.py -s` (deterministic
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/longcontext/test_gpu_long_context.py -s` (deterministic
 mode: resident == resident on the H100 only there).
 """
 

@@ -1,6 +1,6 @@
 """GPU: `random_blockwise` draws and quantizes on the card one linear at a time, the bytes of `random_nf4_model`.
 
-`python -m pytest tests/gpu/test_gpu_random_base.py -s` (the training test also needs
+`python -m pytest tests/loading/test_gpu_random_base.py -s` (the training test also needs
 `CUBLAS_WORKSPACE_CONFIG=:4096:8` in the environment). Prints the build's seconds, device peak and host GB.
 """
 

@@ -1,6 +1,6 @@
 """Block-major gradient accumulation on the GPU: exact to resident accumulation at a 1.5B shape (NF4, seq 512).
 
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_block_major.py -s` (deterministic mode:
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/replay/test_gpu_block_major.py -s` (deterministic mode:
 resident training is reproducible only there). The window's micro-batches run their forwards in threads of
 their own (NOTE [ Block-major accumulation ]): on CUDA each thread has its own cuBLAS handle and workspace,
 so this is where a difference between threads would show. Control: the window's backward taking its

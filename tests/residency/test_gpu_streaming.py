@@ -1,6 +1,6 @@
 """The residency engine on a CUDA device: slot-reuse races, memory across repeated fits, budgets.
 
-`python -m pytest tests/gpu/test_gpu_streaming.py -s` on a CUDA machine (shapes are small, so
+`python -m pytest tests/residency/test_gpu_streaming.py -s` on a CUDA machine (shapes are small, so
 default mode is deterministic here; the parity tests at 1B+ shapes are in test_gpu_parity.py).
 """
 

@@ -1,6 +1,6 @@
 """GPU: tiled attention runs on flash's kernel, matches sdpa to bf16 rounding, bounds its backward, trains exactly.
 
-`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/gpu/test_gpu_tiled_attention.py -s` (deterministic
+`CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m pytest tests/longcontext/test_gpu_tiled_attention.py -s` (deterministic
 mode: resident == resident on the H100 only there).
 """
 
