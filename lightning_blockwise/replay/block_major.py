@@ -188,7 +188,7 @@ class Window:
         remat.residency.release(layer, Pass.FORWARD)
         self._acquired = None
 
-    # -- the layers, called from RematLayer in the window's threads --------------------------------
+    # -- the layers, called from WindowForward in the window's threads --------------------------------
 
     def forward_layer(self, remat: ReplayedLayer, k: int, hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
         """Run ``remat``'s layer for micro-batch ``k`` in its turn; see NOTE [ Block-major accumulation ]."""

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_blockwise.replay import block_major
 from lightning_blockwise.replay.bypass import note_arrival, refuse_a_bypass
 from lightning_blockwise.replay.capture import LayerCall
 from lightning_blockwise.replay.hooks import hooks_once, hooks_silenced
@@ -147,10 +146,6 @@ class RematLayer:
             hidden, args = args[0], args[1:]
         else:
             hidden = kwargs.pop("hidden_states")
-        member = block_major.current_member()
-        if member is not None:
-            # NOTE [ Block-major accumulation ] in block_major.py.
-            return member.window.forward_layer(self, member.index, hidden, args, kwargs)
         params = tuple(p for p in self.params if p.requires_grad)
         if not torch.is_grad_enabled() or not (params or hidden.requires_grad):
             self.residency.acquire(self.index, Pass.FORWARD)
@@ -289,10 +284,10 @@ def install(
 def uninstall(layers: Sequence[nn.Module]) -> None:
     """Remove installed :class:`RematLayer` wrappers, restoring each layer's own forward and checkpointing flag."""
     for layer in layers:
-        remat = vars(layer).get("forward")
-        if not isinstance(remat, RematLayer):
+        remat = installed(layer)
+        if remat is None:
             continue
-        del layer.forward
+        del layer.forward  # a wrapper over it too (NOTE [ A wrapper over the installed forward ])
         if remat.own_forward is not None:
             layer.forward = remat.own_forward
         if remat.saved_checkpointing is None:
@@ -301,7 +296,19 @@ def uninstall(layers: Sequence[nn.Module]) -> None:
             layer.gradient_checkpointing = remat.saved_checkpointing
 
 
+# NOTE [ A wrapper over the installed forward ]
+# An opt-in feature that changes how a rematerialized layer is called wraps the installed forward instead of making
+# every call ask whether it is on: block-major accumulation's `WindowForward` (replay/window_forward.py), while its
+# windows run. Such a wrapper holds the forward as `wrapped_remat`; `installed` looks through it, and `uninstall`
+# removes both, so the streamed stack's re-installs and the contexts that give layers their own forward back work
+# as without it.
+
+
 def installed(layer: nn.Module) -> RematLayer | None:
-    """The wrapper installed on ``layer``, if any."""
-    remat = vars(layer).get("forward")
+    """The wrapper installed on ``layer``, if any, also under a wrapper over it.
+
+    NOTE [ A wrapper over the installed forward ].
+    """
+    forward = vars(layer).get("forward")
+    remat = getattr(forward, "wrapped_remat", forward)
     return remat if isinstance(remat, RematLayer) else None

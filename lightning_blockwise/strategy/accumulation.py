@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_blockwise.architectures import DecoderStack
 from lightning_blockwise.replay.block_major import Window
 from lightning_blockwise.replay.rng import RngSnapshot
+from lightning_blockwise.replay.window_forward import unwrap, wrap
 from lightning_blockwise.replay.window_refusals import WindowError
 from lightning_blockwise.replay.window_workers import Workers
 from lightning_blockwise.strategy.batch_comparison import batches_differ, clone_batch
@@ -124,15 +125,20 @@ def planned_window(trainer: Trainer) -> int:
 class BlockMajorSteps:
     """Runs Lightning's training steps in block-major windows (NOTE [ A window's batches ]).
 
+    While a window is open, each decoder layer's forward is wrapped by the window's own
+    (:class:`~lightning_blockwise.replay.window_forward.WindowForward`); outside windows the layers run as
+    without block-major accumulation.
+
     Args:
         window: The ``accumulate_grad_batches`` planned for at setup (the largest window allowed).
-        num_layers: Decoder layers.
+        layers: The decoder layers, their rematerializing forward installed before a window opens.
         device: The compute device.
     """
 
-    def __init__(self, window: int, num_layers: int, device: torch.device) -> None:
+    def __init__(self, window: int, layers: Sequence[nn.Module], device: torch.device) -> None:
         self.window = window
-        self.num_layers = num_layers
+        self.layers = list(layers)
+        self.num_layers = len(self.layers)
         self.device = device
         self._current: Window | None = None
         self._workers: Workers | None = None
@@ -275,6 +281,7 @@ class BlockMajorSteps:
         self._current, self._batches = window, batches
         if self._workers is None:
             self._workers = Workers(self.window, self.device)
+        wrap(self.layers)
         window.start(step, self._workers)
         return window.result(0)
 
@@ -283,6 +290,7 @@ class BlockMajorSteps:
         if self._current is not None:
             self._current.abort()
             self._current, self._batches = None, []
+        unwrap(self.layers)
 
     def _peek(self, trainer: Trainer, count: int) -> list[Any]:
         """The next ``count`` items of the loop's data fetcher (fewer at the end), not taken from it."""

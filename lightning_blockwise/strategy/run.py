@@ -203,7 +203,7 @@ class BlockwiseRun:
         self.planner.attach(self.layers)
         #: A window's training steps, where block-major accumulation is on (NOTE [ A window's batches ] in
         #: accumulation.py).
-        self.block_major = BlockMajorSteps(checked.window, len(stack.layers), device) if checked.window > 1 else None
+        self.block_major = BlockMajorSteps(checked.window, stack.layers, device) if checked.window > 1 else None
 
     def close(self) -> None:
         """Close the block-major window and the streamer; the layers keep their rematerializing forward."""

@@ -11,6 +11,7 @@ in a layer at run time are refused.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import dataclasses
 import gc
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 import lightning_blockwise  # noqa: F401
 from lightning_blockwise import BlockwiseStrategy
-from lightning_blockwise.replay import block_major
+from lightning_blockwise.replay import block_major, remat, window_forward
 from lightning_blockwise.replay.block_major import WindowError
 from lightning_blockwise.residency.stream_observer import StreamObserver
 from lightning_blockwise.strategy.accumulation import BlockMajorSteps
@@ -118,6 +119,47 @@ def test_control_window_backward_in_another_orderbatches_differ(
         max_steps=2,
     )
     assert runs_differ(windowed, resident)
+
+
+class _Forwards(Callback):
+    """The kinds of forward installed on the decoder layers after each micro-batch's step."""
+
+    def __init__(self) -> None:
+        self.seen: list[set[str]] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.seen.append({type(vars(layer)["forward"]).__name__ for layer in trainer.strategy.layers})
+
+
+def test_a_window_wraps_the_layers_and_the_engine_never_asks(checkpoint: Path) -> None:
+    """Block-major installs its own forward over the layers while a window is open (NOTE [ A wrapper over the
+    installed forward ]); without it the engine's forward is called directly and checks nothing per call."""
+    windowed, plain = _Forwards(), _Forwards()
+    fit(
+        _module(checkpoint),
+        _blockwise(block_major_accumulation=True),
+        callbacks=[windowed],
+        accumulate_grad_batches=ACCUMULATE,
+        max_steps=1,
+    )
+    assert len(windowed.seen) == ACCUMULATE and all(seen == {"WindowForward"} for seen in windowed.seen)
+    # Control: without block-major accumulation, the rematerializing forward itself.
+    fit(_module(checkpoint), _blockwise(), callbacks=[plain], accumulate_grad_batches=ACCUMULATE, max_steps=1)
+    assert len(plain.seen) == ACCUMULATE and all(seen == {"RematLayer"} for seen in plain.seen)
+    # The engine's layer forward imports nothing of block-major accumulation (the window modules import it).
+    assert not _window_imports(remat), _window_imports(remat)
+    assert _window_imports(window_forward) == {"lightning_blockwise.replay.block_major"}  # control: it is seen
+
+
+def _window_imports(module: Any) -> set[str]:
+    """What ``module`` imports of block-major accumulation's modules, as dotted names."""
+    names = set()
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return {name for name in names if name.rsplit(".", 1)[-1] in {"block_major", "window_forward"}}
 
 
 class _ShortStepModule(CausalLMModule):
@@ -523,7 +565,8 @@ def test_batch_comparison_bit_for_bit_and_read_once_per_window() -> None:
     assert batches_differ(batch, {**batch, "ids": torch.tensor([1, 3])}) is True
     assert batches_differ(batch, {**batch, "meta": [3, "b"]}) is True
     assert batches_differ(batch, {"ids": batch["ids"]}) is True
-    steps = BlockMajorSteps(ACCUMULATE, num_layers=2, device=torch.device("cpu"))
+    layers = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]
+    steps = BlockMajorSteps(ACCUMULATE, layers=layers, device=torch.device("cpu"))
     steps._unchecked = [(5, torch.tensor(False)), (6, torch.tensor(False))]
     steps.check_batches()  # control: nothing differed
     steps._unchecked = [(5, torch.tensor(False)), (6, torch.tensor(True))]
