@@ -44,6 +44,7 @@ def step_plans(out: Path) -> None:
 
     from lightning_blockwise.planning.shapes import shape_config
     from lightning_blockwise.planning.sizing import model_sizes
+    from lightning_blockwise.planning.step_kernels import StepKernels
 
     rows = []
     for shape in ("7b", "72b"):
@@ -51,9 +52,9 @@ def step_plans(out: Path) -> None:
         for gib in (None, 8, 16, 21.3, 60):
             for liger in (False, True):
                 budget = None if gib is None else int(gib * 2**30)
-                options = {"fused_norm": liger, "fused_mlp": liger}
+                kernels = StepKernels(loss_chunk_tokens=1024, fused_norm=liger, fused_mlp=liger)
                 try:
-                    planned = sizes.step_budget(budget=budget, loss_chunk_tokens=1024, **options)
+                    planned = sizes.step_budget(budget=budget, kernels=kernels)
                 except ValueError as error:
                     rows.append({"shape": shape, "gib": gib, "liger": liger, "refused": str(error)})
                     continue

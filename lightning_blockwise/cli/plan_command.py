@@ -165,6 +165,7 @@ def plan_report(
     from lightning_blockwise.cli.plan_render import plan_fields, recommendation_fields
     from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, recommend
     from lightning_blockwise.planning.sizing import model_sizes
+    from lightning_blockwise.planning.step_kernels import StepKernels
 
     try:
         model = model_sizes(
@@ -184,7 +185,13 @@ def plan_report(
         modelled = modelled_kernels(kernels, sizes.model_type, mlp_tile_tokens is not None)
     except ValueError as error:
         raise MisconfigurationException(f"--kernels: {error}") from None
-    fused = {"fused_norm": modelled.liger, "fused_mlp": modelled.fused_mlp, "masked_row": masked_row}
+    step_kernels = StepKernels(
+        loss_chunk_tokens=loss_chunk_tokens,
+        mlp_tile_tokens=mlp_tile_tokens,
+        attention_tile_tokens=attention_tile_tokens,
+        fused_norm=modelled.liger,
+        fused_mlp=modelled.fused_mlp,
+    )
     if masked_row is not None and attention_tile_tokens is not None and attention_tile_tokens < tokens:
         raise MisconfigurationException(
             "--masked-attention with --attention-tile-tokens: tiled attention runs causal rows without padding only"
@@ -202,12 +209,10 @@ def plan_report(
         prefetch_depth,
         vram_budget,
         offload_activations,
-        loss_chunk_tokens,
-        mlp_tile_tokens,
+        step_kernels,
         device_limit=card_limit,
         window=block_major or 1,
-        attention_tile_tokens=attention_tile_tokens,
-        **fused,
+        masked_row=masked_row,
     )
     if block_major is not None and block_major > 1 and offload_activations:
         raise MisconfigurationException(
@@ -254,10 +259,7 @@ def plan_report(
     }
     if gpu_memory is not None:
         try:
-            advice = recommend(
-                sizes, gpu_memory, tokens, prefetch_depth, offload_activations, loss_chunk_tokens, mlp_tile_tokens,
-                attention_tile_tokens, **fused,
-            )  # fmt: skip
+            advice = recommend(sizes, gpu_memory, tokens, prefetch_depth, offload_activations, step_kernels, masked_row)
         except ValueError as error:
             raise MisconfigurationException(f"--gpu-memory: {error}.") from None
         report["recommendation"] = recommendation_fields(advice, sizes.host_bytes(advice.block_size), devices)

@@ -18,6 +18,7 @@ from lightning_blockwise.cli.plan_longest import Machine, context_table, longest
 from lightning_blockwise.cli.plan_table import fit_fields, longest_text, table_markdown
 from lightning_blockwise.planning.recommend import SMALLEST_CARD
 from lightning_blockwise.planning.sizing import model_sizes
+from lightning_blockwise.planning.step_kernels import StepKernels
 from lightning_blockwise.residency.arena import meminfo_bytes
 
 
@@ -39,11 +40,13 @@ def longest_report(config: Any, options: argparse.Namespace) -> dict[str, Any]:
         recompute_every=options.recompute_every,
         prefetch_depth=options.prefetch_depth,
         offload=OFFLOAD_CHOICES[options.offload_activations],
-        loss_chunk_tokens=options.loss_chunk_tokens,
-        mlp_tile_tokens=options.mlp_tile_tokens,
-        attention_tile_tokens=options.attention_tile_tokens,
-        fused_norm=kernels.liger,
-        fused_mlp=kernels.fused_mlp,
+        kernels=StepKernels(
+            loss_chunk_tokens=options.loss_chunk_tokens,
+            mlp_tile_tokens=options.mlp_tile_tokens,
+            attention_tile_tokens=options.attention_tile_tokens,
+            fused_norm=kernels.liger,
+            fused_mlp=kernels.fused_mlp,
+        ),
     )
     try:
         sizes = model_sizes(

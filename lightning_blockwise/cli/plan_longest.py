@@ -26,6 +26,7 @@ from lightning_blockwise.planning.longest import (
 )
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT
 from lightning_blockwise.planning.recommend import SMALLEST_CARD, Recommendation, recommend
+from lightning_blockwise.planning.step_kernels import PLAIN_KERNELS, StepKernels
 from lightning_blockwise.planning.step_shape import StepShape
 from lightning_blockwise.residency.arena import HOST_RAM_RESERVE
 
@@ -47,11 +48,9 @@ class Machine:
         recompute_every: A second-level recompute keeping every k-th layer's input (``None``: off).
         prefetch_depth: Blocks copied ahead of the one in use.
         offload: ``offload_activations`` as given; ``None``: the recommendation chooses.
-        loss_chunk_tokens: The module's loss chunk as given; ``None``: the recommendation chooses.
-        mlp_tile_tokens: The module's MLP tile as given; ``None``: the recommendation chooses.
-        attention_tile_tokens: The module's attention tile as given (never chosen); ``None``: untiled.
-        fused_norm: The RMSNorms run Liger's kernel (``plan --kernels``).
-        fused_mlp: The MLPs run Liger's fused gated activation where the recommendation leaves them untiled.
+        kernels: How the module computes the step (its tiles, the loss chunk, ``plan --kernels``), as
+            :func:`~lightning_blockwise.planning.recommend.recommend` takes it: a loss chunk or MLP tile left
+            ``None`` is chosen there.
     """
 
     card: int
@@ -62,11 +61,7 @@ class Machine:
     recompute_every: int | None = None
     prefetch_depth: int = 2
     offload: bool | None = None
-    loss_chunk_tokens: int | None = None
-    mlp_tile_tokens: int | None = None
-    attention_tile_tokens: int | None = None
-    fused_norm: bool = False
-    fused_mlp: bool = False
+    kernels: StepKernels = PLAIN_KERNELS
 
 
 @dataclass(frozen=True)
@@ -111,11 +106,8 @@ def context_fit(sizes: ModelSizes, machine: Machine, tokens: int) -> ContextFit:
     # The inputs a segment's backward adds sit on the card beside the step: what is left of the card is planned for,
     # and where nothing usable is left the card binds (never a larger card than the one asked about).
     left = machine.card - segment
-    advice = recommend(
-        sizes, max(left, SMALLEST_CARD), tokens, machine.prefetch_depth, machine.offload,
-        machine.loss_chunk_tokens, machine.mlp_tile_tokens, machine.attention_tile_tokens, machine.fused_norm,
-        machine.fused_mlp,
-    )  # fmt: skip
+    card = max(left, SMALLEST_CARD)
+    advice = recommend(sizes, card, tokens, machine.prefetch_depth, machine.offload, machine.kernels)
     advice = _with_card(advice, machine.card)
     if left < SMALLEST_CARD:
         advice = replace(advice, plan=None)

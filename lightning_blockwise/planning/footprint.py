@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from lightning_blockwise.planning import ResidencyPlan, StepShape
 from lightning_blockwise.planning.memory import HOPPER_BLAS_WORKSPACE
 from lightning_blockwise.planning.step_budget import StepBudget, blas_threads
+from lightning_blockwise.planning.step_kernels import PLAIN_KERNELS, StepKernels
 from lightning_blockwise.residency.arena import slab_offsets
 from lightning_blockwise.residency.blocks import BlockPlan
 from lightning_blockwise.residency.layout import ALIGNMENT, tensor_offsets
@@ -27,16 +28,6 @@ def slab_bytes(tensor_bytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
         alignment: The alignment of every offset (:data:`~lightning_blockwise.residency.layout.ALIGNMENT`).
     """
     return tensor_offsets(tensor_bytes, alignment)[-1]
-
-
-def fused_mlp_of(fused_mlp: bool, mlp_tile_tokens: int | None) -> bool:
-    """Whether the MLPs compute with a fused gated activation: asked for, and the MLPs untiled.
-
-    ``CausalLMFineTune`` installs Liger's SwiGLU only on untiled MLPs: with ``mlp_tile_tokens`` the tiles keep the
-    MLP's own forward and Liger gives its RMSNorm and RoPE alone (``install_kernels(mlp_tiled=True)`` in
-    recipes/kernel_choice.py), so a plan that chooses the tile drops the fused activation with it.
-    """
-    return fused_mlp and mlp_tile_tokens is None
 
 
 @dataclass(frozen=True)
@@ -94,11 +85,7 @@ class ModelSizes:
         self,
         tokens: int,
         offload_inputs: bool = False,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
-        attention_tile_tokens: int | None = None,
-        fused_norm: bool = False,
-        fused_mlp: bool = False,
+        kernels: StepKernels = PLAIN_KERNELS,
         masked_row: int | None = None,
     ) -> StepShape:
         """The step shape of this model at ``tokens`` tokens per micro-batch (what its activations depend on).
@@ -106,11 +93,8 @@ class ModelSizes:
         Args:
             tokens: Tokens per micro-batch (batch size x sequence length).
             offload_inputs: Layer inputs wait for the backward in host memory.
-            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
-            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
-            attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
-            fused_norm: The RMSNorms run Liger's kernel (``StepShape.fused_norm``).
-            fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
+            kernels: How the module computes the step, as ``CausalLMFineTune`` installs it
+                (:meth:`~lightning_blockwise.planning.step_kernels.StepKernels.as_installed`).
             masked_row: Tokens per row where attention runs with a mask (``StepShape.masked_row``); ``None``: causal.
         """
         return StepShape.for_config(
@@ -119,11 +103,7 @@ class ModelSizes:
             self.num_layers,
             self.activation_bytes,
             offload_inputs=offload_inputs,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
-            attention_tile_tokens=attention_tile_tokens,
-            fused_norm=fused_norm,
-            fused_mlp=fused_mlp_of(fused_mlp, mlp_tile_tokens),
+            kernels=kernels.as_installed(),
             masked_row=masked_row,
         )
 
@@ -133,14 +113,10 @@ class ModelSizes:
         prefetch_depth: int = 2,
         budget: int | None = None,
         offload: bool | None = None,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
+        kernels: StepKernels = PLAIN_KERNELS,
         device_limit: int | None = None,
         keep_activations: bool = True,
         window: int = 1,
-        attention_tile_tokens: int | None = None,
-        fused_norm: bool = False,
-        fused_mlp: bool = False,
         masked_row: int | None = None,
     ) -> StepBudget:
         """The strategy's step budget for this model: the same planner with the same inputs as at setup.
@@ -153,16 +129,13 @@ class ModelSizes:
             budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
             offload: ``offload_activations``: force layer-input offload on or off; ``None`` turns it on
                 when the step does not fit (the budget, else ``device_limit``) without it.
-            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
-            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
+            kernels: How the module computes the step, as ``CausalLMFineTune`` installs it
+                (:meth:`~lightning_blockwise.planning.step_kernels.StepKernels.as_installed`; the strategy's
+                ``strategy.module_budget.module_budget`` reads what a module runs instead).
             device_limit: Without a budget, the device bytes beyond which automatic offload turns on.
             keep_activations: The strategy's ``keep_activations`` (NOTE [ Kept activations ] in memory.py).
             window: ``accumulate_grad_batches`` with block-major accumulation (its workers' cuBLAS workspaces and
                 micro-batches' saved inputs count), else 1.
-            attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
-            fused_norm: The RMSNorms run Liger's kernel (what ``strategy.module_budget.module_budget`` reads from a
-                model with it).
-            fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
             masked_row: Tokens per row where attention runs with a mask (``StepBudget.masked_row``); ``None``: causal.
 
         Raises:
@@ -180,16 +153,12 @@ class ModelSizes:
             trainable_bytes=self.trainable_bytes,
             budget=budget,
             offload=offload,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
             device_limit=device_limit,
             block_layers=blocks.layers_per_block,
             keep_activations=keep_activations,
             window=window,
-            attention_tile_tokens=attention_tile_tokens,
-            fused_norm=fused_norm,
-            fused_mlp=fused_mlp_of(fused_mlp, mlp_tile_tokens),
             masked_row=masked_row,
+            kernels=kernels.as_installed(),
         )
 
     def residency(
@@ -199,12 +168,8 @@ class ModelSizes:
         prefetch_depth: int = 2,
         budget: int | None = None,
         offload_inputs: bool = False,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
+        kernels: StepKernels = PLAIN_KERNELS,
         keep_activations: bool = True,
-        attention_tile_tokens: int | None = None,
-        fused_norm: bool = False,
-        fused_mlp: bool = False,
         masked_row: int | None = None,
     ) -> ResidencyPlan:
         """The strategy's residency plan and predicted training-step peak for this model, offload forced on or off.
@@ -215,23 +180,23 @@ class ModelSizes:
             prefetch_depth: Blocks copied ahead of the one in use.
             budget: The ``vram_budget`` in bytes, or ``None`` to stream every block.
             offload_inputs: Layer inputs wait for the backward in host memory (``offload_activations=True``).
-            loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: Hugging Face's loss).
-            mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
+            kernels: How the module computes the step, as ``CausalLMFineTune`` installs it (:meth:`step_budget`).
             keep_activations: The strategy's ``keep_activations``.
-            attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
-            fused_norm: The RMSNorms run Liger's kernel.
-            fused_mlp: The MLPs run Liger's fused gated activation where they are untiled (:func:`fused_mlp_of`).
             masked_row: Tokens per row where attention runs with a mask; ``None``: causal.
 
         Raises:
             ValueError: If ``block_size`` is out of range or ``budget`` is below the minimum.
         """
         budgeted = self.step_budget(
-            block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
-            keep_activations=keep_activations, attention_tile_tokens=attention_tile_tokens, fused_norm=fused_norm,
-            fused_mlp=fused_mlp, masked_row=masked_row,
-        )  # fmt: skip
+            block_size,
+            prefetch_depth,
+            budget,
+            offload_inputs,
+            kernels,
+            keep_activations=keep_activations,
+            masked_row=masked_row,
+        )
         return budgeted.plan(tokens).residency
 
 
-__all__ = ["ModelSizes", "fused_mlp_of", "slab_bytes"]
+__all__ = ["ModelSizes", "slab_bytes"]

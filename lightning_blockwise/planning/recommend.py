@@ -12,13 +12,13 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from lightning_blockwise.longcontext.loss import DEFAULT_CHUNK_TOKENS
 from lightning_blockwise.longcontext.tiling import DEFAULT_TILE_TOKENS
 from lightning_blockwise.planning import ResidencyPlan
-from lightning_blockwise.planning.footprint import fused_mlp_of
+from lightning_blockwise.planning.step_kernels import PLAIN_KERNELS, StepKernels
 
 if TYPE_CHECKING:
     # Only for annotations (the sizes of a model, a floor below `sizing`, which re-exports this module's names).
@@ -48,16 +48,13 @@ class Recommendation:
             streamed does not fit.
         minimum: The smallest budget of ``block_size=1`` (every block streamed) with the options below.
         offload_activations: The ``offload_activations`` to set: layer inputs wait for the backward in host memory.
-        loss_chunk_tokens: Rows of logits the module's loss should build at a time
-            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: Hugging Face's loss.
-        mlp_tile_tokens: Tokens per tile the module's MLPs should run in
-            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
-        attention_tile_tokens: Queries per tile of the module's attention, as given
-            (:func:`~lightning_blockwise.longcontext.attention.tile_attention`; never chosen here); ``None``: untiled.
+        loss_chunk_tokens: The module's loss chunk to set (``StepKernels``), as given or chosen here.
+        mlp_tile_tokens: The module's MLP tile to set (``StepKernels``), as given or chosen here.
+        attention_tile_tokens: The module's attention tile (``StepKernels``), as given: never chosen here.
         offload_host_bytes: Host bytes the offloaded layer inputs take (0 with offload off).
-        fused_norm: The plan counts Liger's RMSNorm, as given (``StepShape.fused_norm``).
-        fused_mlp: The plan counts Liger's fused gated activation: given, and the MLPs untiled (``fused_mlp_of`` in
-            planning/footprint.py).
+        fused_norm: The plan counts Liger's RMSNorm (``StepKernels``), as given.
+        fused_mlp: The plan counts Liger's fused gated activation: given, and the MLPs untiled
+            (``StepKernels.as_installed``).
         masked_row: The plan counts attention with a mask over rows of this many tokens, as given
             (``StepShape.masked_row``); ``None``: causal rows.
     """
@@ -102,11 +99,7 @@ def recommend(
     tokens: int,
     prefetch_depth: int = 2,
     offload: bool | None = None,
-    loss_chunk_tokens: int | None = None,
-    mlp_tile_tokens: int | None = None,
-    attention_tile_tokens: int | None = None,
-    fused_norm: bool = False,
-    fused_mlp: bool = False,
+    kernels: StepKernels = PLAIN_KERNELS,
     masked_row: int | None = None,
 ) -> Recommendation:
     """The ``vram_budget``, ``block_size``, offload, loss and MLP tiling for a card of ``gpu_memory`` bytes.
@@ -120,8 +113,8 @@ def recommend(
     Only when even every block streamed does not fit is the step made smaller (NOTE [ Long-context
     options ]): the layer inputs offloaded to host memory (unless ``offload`` is ``False``), else the
     chunked loss at :data:`~lightning_blockwise.longcontext.loss.DEFAULT_CHUNK_TOKENS` rows (unless
-    ``loss_chunk_tokens`` is given), without offload and then with it; last, with both, the MLPs tiled in
-    :data:`RECOMMENDED_MLP_TILE_TOKENS` tokens (unless ``mlp_tile_tokens`` is given).
+    ``kernels.loss_chunk_tokens`` is given), without offload and then with it; last, with both, the MLPs tiled in
+    :data:`RECOMMENDED_MLP_TILE_TOKENS` tokens (unless ``kernels.mlp_tile_tokens`` is given).
 
     Args:
         sizes: The model's sizes.
@@ -129,14 +122,10 @@ def recommend(
         tokens: Tokens per micro-batch.
         prefetch_depth: Blocks copied ahead of the one in use.
         offload: ``offload_activations`` as the user set it; ``None``: chosen here.
-        loss_chunk_tokens: The chunk of the module's chunked loss; ``None``: Hugging Face's loss, or the
-            chunked loss where nothing else fits.
-        mlp_tile_tokens: The tile of the module's tiled MLPs; ``None``: untiled, or tiled where nothing else fits.
-        attention_tile_tokens: The tile of the module's tiled attention, planned for as given; ``None``: untiled.
-        fused_norm: The RMSNorms run Liger's kernel (``CausalLMFineTune(kernels="liger")``, or ``"auto"`` on CUDA
-            with Liger-Kernel installed): planned for as given.
-        fused_mlp: The MLPs run Liger's fused gated activation where they are untiled: counted for the settings
-            without an MLP tile only, as ``CausalLMFineTune`` installs it.
+        kernels: How the module computes the step, as given: a loss chunk or MLP tile left ``None`` is chosen where
+            nothing else fits; the attention tile and Liger's kernels (``CausalLMFineTune(kernels="liger")``, or
+            ``"auto"`` on CUDA with Liger-Kernel installed) are planned for as given, the fused gated activation
+            for the settings without an MLP tile only, as ``CausalLMFineTune`` installs it.
         masked_row: Tokens per row where attention runs with a mask (padded or packed rows), planned for as given;
             ``None``: causal rows without padding.
 
@@ -157,15 +146,15 @@ def recommend(
     # and its forward runs again per tile (27-30% slower steps, benchmarks/RESULTS.md), so it is added only
     # where offload and the chunked loss together still leave one layer's backward too big for the card.
     offloads = [False, True] if offload is None else [offload]
-    chunks = [loss_chunk_tokens] if loss_chunk_tokens is not None else [None, DEFAULT_CHUNK_TOKENS]
-    options = [(flag, chunk, mlp_tile_tokens) for chunk in chunks for flag in offloads]
-    if mlp_tile_tokens is None:
+    chunks = [kernels.loss_chunk_tokens] if kernels.loss_chunk_tokens is not None else [None, DEFAULT_CHUNK_TOKENS]
+    options = [(flag, chunk, kernels.mlp_tile_tokens) for chunk in chunks for flag in offloads]
+    if kernels.mlp_tile_tokens is None:
         options.append((offloads[-1], chunks[-1], RECOMMENDED_MLP_TILE_TOKENS))
     for offload_inputs, chunk, tile in options:
+        setting = replace(kernels, loss_chunk_tokens=chunk, mlp_tile_tokens=tile)
         advice = _recommend_blocks(
-            sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, chunk, tile, attention_tile_tokens,
-            fused_norm, fused_mlp, masked_row,
-        )  # fmt: skip
+            sizes, gpu_memory, budget, tokens, prefetch_depth, offload_inputs, setting, masked_row
+        )
         if advice.plan is not None:
             return advice
     return advice
@@ -178,34 +167,23 @@ def _recommend_blocks(
     tokens: int,
     prefetch_depth: int,
     offload_inputs: bool,
-    loss_chunk_tokens: int | None,
-    mlp_tile_tokens: int | None,
-    attention_tile_tokens: int | None = None,
-    fused_norm: bool = False,
-    fused_mlp: bool = False,
+    kernels: StepKernels,
     masked_row: int | None = None,
 ) -> Recommendation:
     """:func:`recommend`'s choice of ``block_size`` for one setting of offload, loss and MLP tiling."""
-    kernels = {
-        "fused_norm": fused_norm,
-        "fused_mlp": fused_mlp_of(fused_mlp, mlp_tile_tokens),
-        "masked_row": masked_row,
-    }
+    kernels = kernels.as_installed()
 
     def residency(block_size: int, budget: int | None = None) -> ResidencyPlan:
         return sizes.residency(
-            tokens, block_size, prefetch_depth, budget, offload_inputs, loss_chunk_tokens, mlp_tile_tokens,
-            attention_tile_tokens=attention_tile_tokens, **kernels,
-        )  # fmt: skip
+            tokens, block_size, prefetch_depth, budget, offload_inputs, kernels, masked_row=masked_row
+        )
 
-    shape = sizes.shape(tokens, offload_inputs, loss_chunk_tokens, mlp_tile_tokens, attention_tile_tokens, **kernels)
+    shape = sizes.shape(tokens, offload_inputs, kernels, masked_row)
     options = {
         "offload_activations": offload_inputs,
-        "loss_chunk_tokens": loss_chunk_tokens,
-        "mlp_tile_tokens": mlp_tile_tokens,
         "offload_host_bytes": shape.offloaded_host_bytes(),
-        "attention_tile_tokens": attention_tile_tokens,
-        **kernels,
+        "masked_row": masked_row,
+        **asdict(kernels),
     }
     minimum = residency(1).minimum
     streamed: dict[int, tuple[int, ResidencyPlan]] = {}

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_blockwise.planning.input_choice import host_limited, plan_inputs
 from lightning_blockwise.planning.input_levels import InputLevels
 from lightning_blockwise.planning.memory import BLAS_THREADS, ResidencyPlan, plan_residency
+from lightning_blockwise.planning.step_kernels import PLAIN_KERNELS, StepKernels
 from lightning_blockwise.planning.step_plan import StepPlan
 from lightning_blockwise.planning.step_shape import StepShape
 from lightning_blockwise.planning.units import format_gb, format_gib
@@ -46,9 +47,6 @@ class StepBudget:
         trainable_bytes: Bytes of the trainable parameters.
         budget: The ``vram_budget`` in bytes, or ``None``.
         offload: Force layer-input offload on or off; ``None`` turns it on when the plan needs it.
-        loss_chunk_tokens: Rows of logits the module's loss builds at a time (``None``: all).
-        mlp_tile_tokens: Tokens per tile of the module's tiled MLPs (``None``: untiled).
-        attention_tile_tokens: Queries per tile of the module's tiled attention (``None``: untiled).
         device_limit: Without a budget, the device bytes beyond which automatic offload turns on
             (``None``: never, e.g. on the CPU).
         block_layers: Decoder layers in each block.
@@ -62,8 +60,6 @@ class StepBudget:
         offloaded_layers: With offload on, the layers (the first ones) whose inputs go to host memory; ``None``: all
             (NOTE [ Split layer inputs ] in residency/activations.py).
         card: The budget is the card's (NOTE [ The card as the default budget ]): a step it cannot hold streams.
-        fused_mlp: The model's MLPs run Liger's fused gated activation (a smaller kept graph: ``StepShape``).
-        fused_norm: The model's RMSNorms run Liger's kernel (no fp32 upcasts: smaller working sets and kept graphs).
         checkpoint_every: One layer input kept in this many, the others replayed (``input_checkpoint_every``).
         choose_inputs: Neither ``offload`` nor ``checkpoint_every`` was set: with a budget the planner chooses
             where the layer inputs wait (NOTE [ Where layer inputs wait ]).
@@ -71,6 +67,8 @@ class StepBudget:
             host memory.
         masked_row: The longest row seen whose attention runs with a mask (NOTE [ Masked attention ] in
             planning/step_shape.py); ``None`` until such a batch is seen.
+        kernels: How the module computes the step (its loss chunk, MLP and attention tiles, Liger's kernels), taken
+            as they are.
     """
 
     config: Any
@@ -82,8 +80,6 @@ class StepBudget:
     trainable_bytes: int
     budget: int | None
     offload: bool | None
-    loss_chunk_tokens: int | None
-    mlp_tile_tokens: int | None
     device_limit: int | None
     block_layers: Sequence[int] = ()
     keep_activations: bool = False
@@ -91,14 +87,12 @@ class StepBudget:
     window: int = 1
     offloaded_layers: int | None = None
     card: bool = False
-    fused_mlp: bool = False
     checkpoint_every: int | None = None
     choose_inputs: bool = False
     host_ranks: int = 1
-    attention_tile_tokens: int | None = None
-    fused_norm: bool = False
     masked_row: int | None = None
     keep_attention: bool = True
+    kernels: StepKernels = PLAIN_KERNELS
 
     @property
     def places_inputs(self) -> bool:
@@ -121,15 +115,11 @@ class StepBudget:
             self.num_layers,
             self.activation_bytes,
             offload_inputs=offload,
-            loss_chunk_tokens=self.loss_chunk_tokens,
-            mlp_tile_tokens=self.mlp_tile_tokens,
+            kernels=self.kernels,
             adapter_dropout=self.adapter_dropout,
             window=self.window,
             offloaded_layers=offloaded_layers,
-            fused_mlp=self.fused_mlp,
             checkpoint_every=checkpoint_every,
-            attention_tile_tokens=self.attention_tile_tokens,
-            fused_norm=self.fused_norm,
             masked_row=self.masked_row,
         )
 

@@ -24,6 +24,7 @@ from lightning_blockwise.planning.activation_constants import (
     NORM_PEAK_HIDDEN,
 )
 from lightning_blockwise.planning.input_levels import card_inputs
+from lightning_blockwise.planning.step_kernels import PLAIN_KERNELS, StepKernels
 
 # NOTE [ Masked attention ]
 # Causal rows without padding run SDPA with `is_causal=True` and no mask, and grouped-query attention passes the
@@ -104,15 +105,11 @@ class StepShape:
         num_layers: int,
         activation_bytes: int = 2,
         offload_inputs: bool = False,
-        loss_chunk_tokens: int | None = None,
-        mlp_tile_tokens: int | None = None,
+        kernels: StepKernels = PLAIN_KERNELS,
         adapter_dropout: bool = True,
         window: int = 1,
         offloaded_layers: int | None = None,
-        fused_mlp: bool = False,
         checkpoint_every: int | None = None,
-        attention_tile_tokens: int | None = None,
-        fused_norm: bool = False,
         masked_row: int | None = None,
     ) -> StepShape:
         """The step shape of a Hugging Face model config (its ``text_config`` for a multimodal one).
@@ -123,16 +120,12 @@ class StepShape:
             num_layers: Decoder layers.
             activation_bytes: Bytes per activation element (the LM head's element size).
             offload_inputs: Layer inputs wait for the backward in host memory.
-            loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all).
-            mlp_tile_tokens: Tokens per MLP tile (``None``: untiled).
+            kernels: How the module computes the step: its loss chunk, MLP and attention tiles, Liger's kernels
+                (taken as they are: a fused activation counts even with an MLP tile).
             adapter_dropout: The adapters apply dropout to their inputs.
             window: Micro-batches whose layer inputs are saved at once (block-major accumulation).
             offloaded_layers: With ``offload_inputs``, the layers whose inputs go to host memory (``None``: all).
-            fused_mlp: The MLPs compute their gated activation with a fused kernel that recomputes it in the
-                backward (Liger's SwiGLU/GeGLU, ``kernels/liger.py``): a kept graph holds one MLP-sized tensor less.
             checkpoint_every: One layer input kept in this many (``None``: every one).
-            attention_tile_tokens: Queries per attention tile (``None``: untiled).
-            fused_norm: The RMSNorms run Liger's kernel (no fp32 upcasts kept or made).
             masked_row: Tokens per row where attention runs SDPA with a mask (``None``: causal, no mask).
         """
         config = getattr(config, "text_config", None) or config
@@ -147,18 +140,18 @@ class StepShape:
             num_layers=num_layers,
             activation_bytes=activation_bytes,
             offload_inputs=offload_inputs,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
+            loss_chunk_tokens=kernels.loss_chunk_tokens,
+            mlp_tile_tokens=kernels.mlp_tile_tokens,
             adapter_dropout=adapter_dropout,
             window=window,
             offloaded_layers=offloaded_layers,
             kv_size=kv_heads * head_size if kv_heads and head_size else None,
             query_heads=heads,
             query_size=heads * head_size if heads and head_size else None,
-            fused_mlp=fused_mlp,
+            fused_mlp=kernels.fused_mlp,
             checkpoint_every=checkpoint_every,
-            attention_tile_tokens=attention_tile_tokens,
-            fused_norm=fused_norm,
+            attention_tile_tokens=kernels.attention_tile_tokens,
+            fused_norm=kernels.fused_norm,
             masked_row=masked_row,
         )
 

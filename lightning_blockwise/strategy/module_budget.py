@@ -12,6 +12,7 @@ from lightning_blockwise.architectures import find_decoder_stack
 from lightning_blockwise.kernels.liger import liger_kernels_in
 from lightning_blockwise.planning.memory import ALLOCATOR_HEADROOM_PERCENT, ALLOCATOR_SLACK
 from lightning_blockwise.planning.step_budget import StepBudget, blas_threads
+from lightning_blockwise.planning.step_kernels import StepKernels
 from lightning_blockwise.strategy.device_memory import blas_workspace_bytes
 
 #: Card memory kept out of the limit that decides automatic offload without a ``vram_budget``: the
@@ -67,7 +68,6 @@ def module_budget(
     head = model.get_output_embeddings()
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = trainable if ranks > 1 else 0
-    liger = liger_kernels_in(model)
     return StepBudget(
         config=model.config,
         num_layers=len(find_decoder_stack(model, allow_unvalidated=True).layers),
@@ -78,8 +78,6 @@ def module_budget(
         trainable_bytes=trainable,
         budget=budget,
         offload=offload,
-        loss_chunk_tokens=_declared_count(module, "loss_chunk_tokens"),
-        mlp_tile_tokens=_declared_count(module, "mlp_tile_tokens"),
         device_limit=device_limit(device),
         block_layers=list(block_layers),
         keep_activations=keep_activations,
@@ -87,12 +85,26 @@ def module_budget(
         window=window,
         offloaded_layers=offloaded_layers,
         card=card,
-        fused_mlp=liger["mlp"] > 0,
         checkpoint_every=checkpoint_every,
         choose_inputs=offload is None and checkpoint_every is None,
         host_ranks=host_ranks,
+        kernels=module_kernels(module, model),
+    )
+
+
+def module_kernels(module: nn.Module, model: nn.Module) -> StepKernels:
+    """How ``module`` computes its step: what it declares, and the Liger kernels installed on ``model``.
+
+    Read as the module runs, not as ``CausalLMFineTune`` would install them (``StepKernels.as_installed``): a fused
+    gated activation counts wherever one is installed (``tile_mlps`` takes Liger's off the MLPs it tiles).
+    """
+    liger = liger_kernels_in(model)
+    return StepKernels(
+        loss_chunk_tokens=_declared_count(module, "loss_chunk_tokens"),
+        mlp_tile_tokens=_declared_count(module, "mlp_tile_tokens"),
         attention_tile_tokens=_declared_count(module, "attention_tile_tokens"),
         fused_norm=liger["rms_norm"] > 0,
+        fused_mlp=liger["mlp"] > 0,
     )
 
 
@@ -148,4 +160,4 @@ def reference_headroom(device: torch.device, budget: int | None, predicted_peak:
     return min(limits) if limits else None
 
 
-__all__ = ["device_bytes", "device_limit", "module_budget", "reference_headroom"]
+__all__ = ["device_bytes", "device_limit", "module_budget", "module_kernels", "reference_headroom"]

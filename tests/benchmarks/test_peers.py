@@ -347,7 +347,7 @@ def test_noattn_plans_without_kept_attention_in_its_process(monkeypatch: pytest.
 
     stub = StepBudget(
         config=None, num_layers=1, activation_bytes=2, block_bytes=[1], prefetch_depth=1, fixed_bytes=0,
-        trainable_bytes=0, budget=None, offload=None, loss_chunk_tokens=None, mlp_tile_tokens=None, device_limit=None,
+        trainable_bytes=0, budget=None, offload=None, device_limit=None,
     )  # fmt: skip
     monkeypatch.setattr(strategy_run, "module_budget", lambda *args, **kwargs: stub)
     # Control: the plain arm leaves the planner as it is.

@@ -20,6 +20,7 @@ from lightning_blockwise.loading.load import load_blockwise
 from lightning_blockwise.planning import StepShape, parse_bytes
 from lightning_blockwise.planning.recommend import CUDA_CONTEXT_RESERVE, SMALLEST_CARD
 from lightning_blockwise.planning.sizing import ModelSizes, model_sizes, nf4_tensor_bytes, recommend
+from lightning_blockwise.planning.step_kernels import StepKernels
 from lightning_blockwise.residency.layout import layout_block
 from lightning_blockwise.residency.placement import host_copy_of
 from tests.helpers.models import CONFIGS, TARGETS, build_model, moe_config
@@ -354,7 +355,7 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     assert advice.mlp_tile_tokens is None
     assert advice.plan is not None and advice.block_size == 1 and len(advice.plan.resident) == 28
     assert advice.plan.kept == (0,) and advice.plan.attention == tuple(range(1, 28))
-    assert advice.minimum == seven.residency(16384, loss_chunk_tokens=1024).minimum
+    assert advice.minimum == seven.residency(16384, kernels=StepKernels(1024)).minimum
     assert round(advice.plan.predicted_peak / 1e9, 2) == 21.81
 
     # Offload alone is enough where the saved inputs, not the logits, tip it over: 32B at 8192 tokens.
@@ -363,8 +364,8 @@ def test_recommendation_makes_the_step_smaller_only_when_needed() -> None:
     assert (advice.offload_activations, advice.loss_chunk_tokens) == (True, None) and advice.plan is not None
     assert advice.offload_host_bytes == 64 * 8192 * 5120 * 2
     # Both where the chunked loss alone is not enough: 32B at 16384 tokens.
-    assert seven.residency(16384, 1, 2, loss_chunk_tokens=1024).minimum < advice.budget  # (the 7B's did fit)
-    assert thirty_two.residency(16384, 1, 2, loss_chunk_tokens=1024).minimum > advice.budget
+    assert seven.residency(16384, 1, 2, kernels=StepKernels(1024)).minimum < advice.budget  # (the 7B's did fit)
+    assert thirty_two.residency(16384, 1, 2, kernels=StepKernels(1024)).minimum > advice.budget
     advice = recommend(thirty_two, card, tokens=16384)
     assert (advice.offload_activations, advice.loss_chunk_tokens) == (True, 1024) and advice.plan is not None
     assert advice.mlp_tile_tokens is None  # the tiled MLP only where these are not enough
@@ -378,9 +379,9 @@ def test_recommendation_keeps_the_options_the_user_gave() -> None:
     assert forced.offload_activations and forced.loss_chunk_tokens is None
     # A chunk the module already uses is kept; at 32k tokens on 16 GiB it fits with offload (13.2 GiB streamed
     # with the allocator's headroom, a 15.0 GiB budget) but not without, so offload is added and no tiling.
-    advice = recommend(seven, 16 * 2**30, tokens=32768, loss_chunk_tokens=512)
-    assert seven.residency(32768, offload_inputs=False, loss_chunk_tokens=512).minimum > advice.budget
-    assert seven.residency(32768, offload_inputs=True, loss_chunk_tokens=512).minimum <= advice.budget
+    advice = recommend(seven, 16 * 2**30, tokens=32768, kernels=StepKernels(512))
+    assert seven.residency(32768, offload_inputs=False, kernels=StepKernels(512)).minimum > advice.budget
+    assert seven.residency(32768, offload_inputs=True, kernels=StepKernels(512)).minimum <= advice.budget
     assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 512, None)
     assert advice.plan is not None
 
@@ -429,7 +430,7 @@ def test_mlp_tiling_lowers_the_peak_as_the_step_shape_says(tmp_path: Path, capsy
     assert (untiled["mlp_tile_tokens"], tiled["mlp_tile_tokens"]) == (None, 4096)
 
     def working_set(tile: int | None) -> int:
-        shape = StepShape.for_config(_qwen25("7b"), 16384, 28, loss_chunk_tokens=1024, mlp_tile_tokens=tile)
+        shape = StepShape.for_config(_qwen25("7b"), 16384, 28, kernels=StepKernels(1024, tile))
         return shape.layer_working_set()
 
     # The MLP's part of one layer's working set shrinks from 16384 tokens to 4096 (6 x 12288 x 18944 x 2 bytes),
@@ -467,8 +468,7 @@ def test_attention_tiling_is_planned_and_reported_but_leaves_the_norm_bound_peak
     assert tiled["predicted_peak_bytes"] == untiled["predicted_peak_bytes"]
     # Control: the step shape it planned with did see the tile, and its attention peak is the smaller one.
     shapes = [
-        StepShape.for_config(_qwen25("7b"), 65536, 28, loss_chunk_tokens=1024, mlp_tile_tokens=4096,
-                             attention_tile_tokens=tile)
+        StepShape.for_config(_qwen25("7b"), 65536, 28, kernels=StepKernels(1024, 4096, attention_tile_tokens=tile))
         for tile in (None, 16384)
     ]  # fmt: skip
     assert shapes[1].attention_working_set() < shapes[0].attention_working_set() < shapes[0].norm_working_set()
@@ -489,10 +489,10 @@ def test_recommendation_tiles_the_mlp_last() -> None:
     # one layer's backward at 15.3 GB (an untiled MLP on 32768 tokens), so every block streamed needs 27.5 GiB
     # with the allocator's headroom. Tiles of 4096 tokens bring that layer to 8.2 GB (the post-attention norm's
     # backward now binds) and the step to 20.1 GiB streamed: all three are picked.
-    assert seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024).minimum > advice.budget
+    assert seventy_two.residency(tokens, offload_inputs=True, kernels=StepKernels(1024)).minimum > advice.budget
     assert (advice.offload_activations, advice.loss_chunk_tokens, advice.mlp_tile_tokens) == (True, 1024, 4096)
     assert advice.plan is not None and advice.plan.predicted_reserved <= advice.budget
-    tiled = seventy_two.residency(tokens, offload_inputs=True, loss_chunk_tokens=1024, mlp_tile_tokens=4096)
+    tiled = seventy_two.residency(tokens, offload_inputs=True, kernels=StepKernels(1024, 4096))
     assert advice.minimum == tiled.minimum
     # Block size 2: the rest stream in fewer, larger copies, and the last block (two layers) keeps its attention
     # outputs (1.1 GB at 32k tokens), which the budget spends before residency (NOTE [ Kept attention ]).
@@ -501,9 +501,9 @@ def test_recommendation_tiles_the_mlp_last() -> None:
     assert advice.offload_host_bytes == 80 * tokens * 8192 * 2
 
     # A tile the module already uses is kept from the first option on: at 4096 tokens the plain step fits.
-    given = recommend(seventy_two, card, 4096, mlp_tile_tokens=2048)
+    given = recommend(seventy_two, card, 4096, kernels=StepKernels(mlp_tile_tokens=2048))
     assert (given.offload_activations, given.loss_chunk_tokens, given.mlp_tile_tokens) == (False, None, 2048)
-    assert given.minimum == seventy_two.residency(4096, mlp_tile_tokens=2048).minimum
+    assert given.minimum == seventy_two.residency(4096, kernels=StepKernels(mlp_tile_tokens=2048)).minimum
     # Nothing fits 32k tokens on a 16 GiB card (15.0 GiB budget, 20.1 GiB needed with all three), and the minimum
     # says so for the smallest step tried.
     short = recommend(seventy_two, 16 * 2**30, tokens)
@@ -562,7 +562,7 @@ def test_long_context_prediction_is_never_under_the_measured_peak(
 ) -> None:
     config = _qwen25_72b() if shape == "72b" else _qwen25(shape)
     sizes = model_sizes(config, dtype=torch.bfloat16, lora_rank=16)
-    predicted = sizes.residency(tokens, offload_inputs=offload, loss_chunk_tokens=chunk, mlp_tile_tokens=tile)
+    predicted = sizes.residency(tokens, offload_inputs=offload, kernels=StepKernels(chunk, tile))
     over = (predicted.predicted_peak - measured) / measured
     # Within 10%, tiled or not, and never under (every measured point: tests/planning/test_calibration.py).
     assert 0 <= over < 0.10, f"{shape} at {tokens}: {over:+.1%}"
@@ -678,7 +678,7 @@ def test_masked_attention_is_planned_for_and_refused_where_it_cannot_be(capsys: 
     shape = StepShape.for_config(
         transformers.Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  intermediate_size=18944), tokens=8192, num_layers=28, masked_row=4096,
-        fused_norm=True, fused_mlp=True, loss_chunk_tokens=1024,
+        kernels=StepKernels(loss_chunk_tokens=1024, fused_norm=True, fused_mlp=True),
     )  # fmt: skip
     boolean = 8192 * 4096
     more = masked["minimum_bytes"] - causal["minimum_bytes"]

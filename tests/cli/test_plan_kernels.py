@@ -18,6 +18,7 @@ from lightning_blockwise.cli.plan_kernels import modelled_kernels
 from lightning_blockwise.planning.footprint import ModelSizes
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes, recommend
+from lightning_blockwise.planning.step_kernels import StepKernels
 
 GiB = 2**30
 
@@ -96,9 +97,7 @@ def test_the_single_length_report_counts_liger_and_says_so(seven: ModelSizes) ->
         config, kernels="none", **options
     )
     # The memory model with Liger's RMSNorm, the MLP tiled so its SwiGLU is not installed (install_kernels).
-    expected = seven.residency(
-        65536, offload_inputs=True, loss_chunk_tokens=1024, mlp_tile_tokens=4096, fused_norm=True
-    )
+    expected = seven.residency(65536, offload_inputs=True, kernels=StepKernels(1024, 4096, fused_norm=True))
     assert liger["predicted_peak_bytes"] == expected.predicted_peak < own["predicted_peak_bytes"]
     assert liger["fused_mlp"] is False
     untiled = plan_report(config, kernels="liger", tokens=4096)
@@ -106,14 +105,15 @@ def test_the_single_length_report_counts_liger_and_says_so(seven: ModelSizes) ->
 
 
 def test_the_recommendation_counts_liger_s_swiglu_only_where_it_leaves_the_mlp_untiled(seven: ModelSizes) -> None:
-    short = recommend(seven, 24 * GiB, 4096, fused_norm=True, fused_mlp=True)
+    liger = StepKernels(fused_norm=True, fused_mlp=True)
+    short = recommend(seven, 24 * GiB, 4096, kernels=liger)
     assert short.mlp_tile_tokens is None and (short.fused_norm, short.fused_mlp) == (True, True)
-    assert short.plan == seven.residency(4096, short.block_size, budget=short.budget, fused_norm=True, fused_mlp=True)
+    assert short.plan == seven.residency(4096, short.block_size, budget=short.budget, kernels=liger)
     # Control: where the recommendation tiles the MLPs the recipe installs Liger's RMSNorm and RoPE only.
-    long = recommend(seven, 24 * GiB, 131072, fused_norm=True, fused_mlp=True)
+    long = recommend(seven, 24 * GiB, 131072, kernels=liger)
     assert long.mlp_tile_tokens == 4096 and (long.fused_norm, long.fused_mlp) == (True, False)
-    assert seven.step_budget(mlp_tile_tokens=4096, fused_mlp=True).fused_mlp is False
-    assert seven.step_budget(fused_norm=True, fused_mlp=True).fused_mlp is True
+    assert seven.step_budget(kernels=StepKernels(mlp_tile_tokens=4096, fused_mlp=True)).kernels.fused_mlp is False
+    assert seven.step_budget(kernels=liger).kernels.fused_mlp is True
 
 
 def test_the_settings_to_paste_name_the_kernels(capsys: pytest.CaptureFixture[str]) -> None:

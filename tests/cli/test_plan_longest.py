@@ -16,6 +16,7 @@ from lightning_blockwise.planning.footprint import ModelSizes
 from lightning_blockwise.planning.longest import DEFAULT_LINK_GBPS, DEFAULT_TFLOPS, StepCost, step_time
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
+from lightning_blockwise.planning.step_kernels import StepKernels
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,12 +225,10 @@ def test_longest_with_liger_and_tiled_attention_on_a_22_gib_card(capsys: pytest.
     # The MLPs tiled at every length: Liger's RMSNorm and RoPE, never its SwiGLU (install_kernels(mlp_tiled=True)).
     assert out.strip().endswith("kernels: Liger-Kernel's RMSNorm and RoPE (--kernels liger)")
     # The measured length itself: the card binds, by the budget the plan needs with the allocator's headroom.
-    fit = context_fit(
-        model_sizes(shape_config("7b"), dtype=torch.bfloat16, lora_rank=16),
-        Machine(22 * GiB, 128 * GiB, loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384,
-                fused_norm=True, fused_mlp=True),
-        262144,
-    )  # fmt: skip
+    liger = StepKernels(loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384, fused_norm=True,
+                        fused_mlp=True)  # fmt: skip
+    seven = model_sizes(shape_config("7b"), dtype=torch.bfloat16, lora_rank=16)
+    fit = context_fit(seven, Machine(22 * GiB, 128 * GiB, kernels=liger), 262144)
     assert fit.binds == ("card",) and round(fit.advice.minimum / 1e9, 2) == 27.26
     # Control: the model's own layers with the same tiles answer about half as long (their norms' fp32 copies bind).
     main(
@@ -264,10 +263,11 @@ def test_the_measured_262k_point_is_predicted_within_10_percent_over(capsys: pyt
 
 def test_tiled_attention_adds_one_attention_forward_to_the_step_time(sizes: dict[str, ModelSizes]) -> None:
     """Each tile's forward runs again in its backward (NOTE [ Expected step time ]): 2 x tokens^2 x size per layer."""
-    options = dict(loss_chunk_tokens=1024, mlp_tile_tokens=4096, fused_norm=True)
+    kernels = StepKernels(loss_chunk_tokens=1024, mlp_tile_tokens=4096, fused_norm=True)
     tokens = 131072
-    tiled = context_fit(sizes["7b"], Machine(24 * GiB, 128 * GiB, attention_tile_tokens=16384, **options), tokens)
-    untiled = context_fit(sizes["7b"], Machine(24 * GiB, 128 * GiB, **options), tokens)
+    tiled_kernels = replace(kernels, attention_tile_tokens=16384)
+    tiled = context_fit(sizes["7b"], Machine(24 * GiB, 128 * GiB, kernels=tiled_kernels), tokens)
+    untiled = context_fit(sizes["7b"], Machine(24 * GiB, 128 * GiB, kernels=kernels), tokens)
     # No graph kept at 128k tokens; the tiles' smaller peak leaves room for more layers' attention outputs (NOTE [ Kept
     # attention ]), each one attention forward less, and more resident blocks (less link traffic).
     assert tiled.advice.plan is not None and untiled.advice.plan is not None
@@ -278,7 +278,8 @@ def test_tiled_attention_adds_one_attention_forward_to_the_step_time(sizes: dict
     layer_forward = 2 * tokens**2 * 3584 / (DEFAULT_TFLOPS * 1e12)
     assert tiled.time.compute - untiled.time.compute == pytest.approx(layer_forward * (28 - more))
     # Control: a tile of every token runs attention untiled, at the untiled step's time.
-    whole = context_fit(sizes["7b"], Machine(24 * GiB, 128 * GiB, attention_tile_tokens=tokens, **options), tokens)
+    whole_kernels = replace(kernels, attention_tile_tokens=tokens)
+    whole = context_fit(sizes["7b"], Machine(24 * GiB, 128 * GiB, kernels=whole_kernels), tokens)
     assert whole.time == untiled.time
 
 
@@ -302,11 +303,11 @@ def test_one_input_in_two_offloaded_plans_the_card_as_every_input_offloaded(size
     A segment of 2 holds its checkpoint and the replayed input, which the in-flight count covers (``card_inputs``);
     control: k=4 counts 2 inputs more on the card, and the host holds half and a quarter of the inputs.
     """
-    options = dict(loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384, fused_norm=True)
+    kernels = StepKernels(loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384, fused_norm=True)
     tokens = 61440
-    plain = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, **options), tokens)
-    every2 = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, recompute_every=2, **options), tokens)
-    every4 = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, recompute_every=4, **options), tokens)
+    plain = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, kernels=kernels), tokens)
+    every2 = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, recompute_every=2, kernels=kernels), tokens)
+    every4 = context_fit(sizes["72b"], Machine(22 * GiB, 512 * GiB, recompute_every=4, kernels=kernels), tokens)
     assert plain.advice.plan is not None and every2.advice.plan is not None and not every2.binds
     assert every2.advice.plan == plain.advice.plan and every2.advice.budget == plain.advice.budget
     # k=4: the 2 more inputs leave a card too small for this length.

@@ -13,6 +13,7 @@ the strategy's plan for them; their control arm is the plan the strategy made th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from lightning_blockwise.planning.footprint import ModelSizes
 from lightning_blockwise.planning.memory import with_headroom
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
+from lightning_blockwise.planning.step_budget import StepBudget
+from lightning_blockwise.planning.step_kernels import StepKernels
 
 GiB = 2**30
 #: The most a plan may be over a measured peak (and it may never be under).
@@ -120,7 +123,7 @@ def predicted(sizes: ModelSizes, point: Point) -> int:
     """The planner's predicted peak for the run ``point`` measured."""
     plan = sizes.residency(
         point.tokens, point.block_size, budget=point.budget, offload_inputs=point.offload,
-        loss_chunk_tokens=point.chunk, mlp_tile_tokens=point.tile,
+        kernels=StepKernels(loss_chunk_tokens=point.chunk, mlp_tile_tokens=point.tile),
     )  # fmt: skip
     if point.resident is None:
         return plan.predicted_peak
@@ -159,14 +162,14 @@ def test_control_the_model_without_the_norm_peak_was_under_at_131k_tokens(sizes:
     """The control arm: the old model fails the check where the strategy's log said 19.68 GB and 22.26 were used."""
     seven = sizes["7b"]
     point = next(p for p in POINTS if p.tokens == 131072)
-    shape = seven.shape(point.tokens, point.offload, point.chunk, point.tile)
+    shape = seven.shape(point.tokens, point.offload, StepKernels(point.chunk, point.tile))
     new = predicted(seven, point)
     old = new - shape.activation_peak() + _old_activation_peak(shape)
     assert round(old / 1e9, 2) == 19.68  # what BlockwiseStrategy logged for this run before the fix
     assert not within(old, point.measured)
     assert within(new, point.measured)
     # And the check has a ceiling: the old model's 7B/16k tiled plan was 16% over its measured peak.
-    tiled = seven.shape(16384, True, 1024, 4096)
+    tiled = seven.shape(16384, True, StepKernels(1024, 4096))
     old_tiled = predicted(seven, POINTS[5]) - tiled.activation_peak() + _old_activation_peak(tiled)
     assert POINTS[5].tile == 4096 and not within(old_tiled, POINTS[5].measured) and old_tiled > POINTS[5].measured
 
@@ -176,15 +179,16 @@ def test_tiled_attention_changes_no_prediction_of_the_measured_points(sizes: dic
     """With Hugging Face's RMSNorm the norm's backward stays above attention's (NOTE [ A layer's backward peak ])."""
     for point in POINTS:
         model = sizes[point.shape]
-        options = dict(offload_inputs=point.offload, loss_chunk_tokens=point.chunk, mlp_tile_tokens=point.tile)
-        untiled = model.residency(point.tokens, point.block_size, budget=point.budget, **options)
-        tiled = model.residency(
-            point.tokens, point.block_size, budget=point.budget, attention_tile_tokens=tile, **options
-        )
+        kernels = StepKernels(loss_chunk_tokens=point.chunk, mlp_tile_tokens=point.tile)
+        with_tile = replace(kernels, attention_tile_tokens=tile)
+        untiled = model.residency(point.tokens, point.block_size, budget=point.budget, offload_inputs=point.offload,
+                                  kernels=kernels)  # fmt: skip
+        tiled = model.residency(point.tokens, point.block_size, budget=point.budget, offload_inputs=point.offload,
+                                kernels=with_tile)  # fmt: skip
         assert tiled == untiled, point.name
         # Control: the tile reached the memory model, whose attention peak did shrink.
-        shape = model.shape(point.tokens, **options)
-        tiled_shape = model.shape(point.tokens, **options, attention_tile_tokens=tile)
+        shape = model.shape(point.tokens, offload_inputs=point.offload, kernels=kernels)
+        tiled_shape = model.shape(point.tokens, offload_inputs=point.offload, kernels=with_tile)
         assert tiled_shape.attention_tile_tokens == tile
         if tile < point.tokens:
             assert tiled_shape.attention_working_set() < shape.attention_working_set()
@@ -242,16 +246,22 @@ LIGER_POINTS = [
 ]
 
 
+def with_kernels(budget: StepBudget, **changes: Any) -> StepBudget:
+    """``budget`` with some of its kernels changed, as they are (as the strategy reads them from a module)."""
+    return replace(budget, kernels=replace(budget.kernels, **changes))
+
+
 def liger_predicted(seven: ModelSizes, point: LigerPoint, fused_norm: bool = True) -> int:
     """The planner's predicted training-step peak for the run ``point`` measured, with or without ``fused_norm``."""
     budget = seven.step_budget(
-        budget=point.budget, offload=True if point.budget is None else None, loss_chunk_tokens=1024,
-        mlp_tile_tokens=point.mlp_tile, attention_tile_tokens=point.attention_tile,
+        budget=point.budget, offload=True if point.budget is None else None,
+        kernels=StepKernels(loss_chunk_tokens=1024, mlp_tile_tokens=point.mlp_tile,
+                            attention_tile_tokens=point.attention_tile),
     )  # fmt: skip
     # What the strategy reads from a model with Liger and without adapter dropout, and where it plans the inputs; these
     # runs predate NOTE [ Kept attention ] (their layers kept no attention outputs).
     budget = replace(
-        budget, adapter_dropout=False, fused_mlp=point.swiglu, card=point.budget is not None,
+        with_kernels(budget, fused_mlp=point.swiglu), adapter_dropout=False, card=point.budget is not None,
         choose_inputs=point.budget is not None, keep_attention=False,
     )  # fmt: skip
     then = budget.plan(point.tokens, host_bytes=100 * 10**9)
@@ -261,7 +271,7 @@ def liger_predicted(seven: ModelSizes, point: LigerPoint, fused_norm: bool = Tru
     if not fused_norm:
         return residency.predicted_peak
     if point.budget is None:
-        return replace(budget, fused_norm=True).plan(point.tokens).residency.predicted_peak
+        return with_kernels(budget, fused_norm=True).plan(point.tokens).residency.predicted_peak
     # The residency that ran, with the memory model of Liger's RMSNorm: its activations and its kept graphs.
     old, new = then.shape, replace(then.shape, fused_norm=True)
     graphs = sum(budget.block_layers[block] for block in residency.kept) * (new.layer_graph() - old.layer_graph())
@@ -296,11 +306,11 @@ def test_with_liger_the_planner_keeps_more_blocks_under_the_same_budgets(sizes: 
     """Issue 27: the 22 GiB-capped runs kept 9 and 11 blocks resident; with ``fused_norm`` those budgets keep more."""
     for point in LIGER_POINTS[-2:]:
         budget = replace(
-            sizes["7b"].step_budget(budget=point.budget, loss_chunk_tokens=1024), adapter_dropout=False,
-            fused_mlp=True, card=True, choose_inputs=True, keep_attention=False,
+            with_kernels(sizes["7b"].step_budget(budget=point.budget, kernels=StepKernels(1024)), fused_mlp=True),
+            adapter_dropout=False, card=True, choose_inputs=True, keep_attention=False,
         )  # fmt: skip
         then = budget.plan(point.tokens, host_bytes=100 * 10**9).residency
-        now = replace(budget, fused_norm=True).plan(point.tokens, host_bytes=100 * 10**9).residency
+        now = with_kernels(budget, fused_norm=True).plan(point.tokens, host_bytes=100 * 10**9).residency
         assert len(then.resident) == point.resident and len(now.resident) > point.resident, point.name
         assert with_headroom(now.predicted_peak) <= point.budget  # still a plan within the budget
 
@@ -326,7 +336,8 @@ def test_with_input_checkpoints_in_host_memory_the_plan_is_within_10_percent(
     ones) is reproduced, and is more than 10% over.
     """
     budget = sizes["72b"].step_budget(
-        offload=True, loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384, fused_norm=True
+        offload=True,
+        kernels=StepKernels(loss_chunk_tokens=1024, mlp_tile_tokens=4096, attention_tile_tokens=16384, fused_norm=True),
     )
     budget = replace(budget, adapter_dropout=False, checkpoint_every=2)
     plan = budget.plan(tokens)

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from lightning_blockwise.planning import StepShape
+from lightning_blockwise.planning.step_kernels import StepKernels
 from lightning_blockwise.strategy.step_tokens import masked_row
 
 QWEN_7B = transformers.Qwen2Config(
@@ -23,9 +24,8 @@ QWEN_7B = transformers.Qwen2Config(
 
 def test_a_masked_row_adds_the_additive_mask_and_the_repeated_keys_and_values() -> None:
     # A chunked loss of 256 rows, so that the layer's working set, not the logits, is the step's peak.
-    unmasked = StepShape.for_config(
-        QWEN_7B, tokens=2 * 4096, num_layers=28, fused_norm=True, fused_mlp=True, loss_chunk_tokens=256
-    )
+    kernels = StepKernels(loss_chunk_tokens=256, fused_norm=True, fused_mlp=True)
+    unmasked = StepShape.for_config(QWEN_7B, tokens=2 * 4096, num_layers=28, kernels=kernels)
     masked = replace(unmasked, masked_row=4096)
     hidden = 2 * 4096 * 3584 * 2
     # The measured point (layer_allocations --packed 512, H100): the additive mask, 1.14 hidden-sized tensors, and

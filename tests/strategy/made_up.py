@@ -27,8 +27,6 @@ def made_up_budget(**overrides: Any) -> StepBudget:
         trainable_bytes=100,
         budget=None,
         offload=None,
-        loss_chunk_tokens=None,
-        mlp_tile_tokens=None,
         device_limit=None,
     )
     values.update(overrides)

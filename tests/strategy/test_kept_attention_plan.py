@@ -14,14 +14,17 @@ import torch
 from lightning_blockwise.planning.shapes import shape_config
 from lightning_blockwise.planning.sizing import model_sizes
 from lightning_blockwise.planning.step_budget import KEPT_ATTENTION_MIN_FLOPS, StepBudget
+from lightning_blockwise.planning.step_kernels import StepKernels
 
 HOST = 100 * 10**9
+#: Liger's kernels and the chunked loss, as the runs had them.
+LIGER = StepKernels(loss_chunk_tokens=1024, fused_norm=True, fused_mlp=True)
 
 
 @pytest.fixture(scope="module")
 def budget() -> StepBudget:
     seven = model_sizes(shape_config("7b"), dtype=torch.bfloat16, lora_rank=16)
-    planned = seven.step_budget(budget=int(21.3 * 2**30), loss_chunk_tokens=1024, fused_norm=True, fused_mlp=True)
+    planned = seven.step_budget(budget=int(21.3 * 2**30), kernels=LIGER)
     return dataclasses.replace(planned, adapter_dropout=False, card=True, choose_inputs=True)
 
 
@@ -68,7 +71,7 @@ def test_the_kept_attention_plans_were_never_under_their_measured_peaks(
 ) -> None:
     """Never under (an OOM); 8.6% and 11.9% over: the backward frees the records layer by layer (calibration left)."""
     seven = model_sizes(shape_config("7b"), dtype=torch.bfloat16, lora_rank=16)
-    planned = seven.step_budget(budget=int(gib * 2**30), loss_chunk_tokens=1024, fused_norm=True, fused_mlp=True)
+    planned = seven.step_budget(budget=int(gib * 2**30), kernels=LIGER)
     budget = dataclasses.replace(planned, adapter_dropout=False, card=True, choose_inputs=True)
     residency = budget.plan(tokens, host_bytes=HOST).residency
     assert (len(residency.resident), len(residency.kept), len(residency.attention)) == blocks

@@ -207,7 +207,7 @@ def test_the_budget_plans_for_liger_rmsnorm_where_it_runs(monkeypatch: pytest.Mo
     monkeypatch.setattr(module_budget, "liger_kernels_in", lambda _: counts)
     base = model.get_base_model()
     budget = module_budget.module_budget(model, base, [1000] * LAYERS, torch.device("cpu"), 2, None, None)
-    assert budget.fused_norm is (norms > 0) and not budget.fused_mlp
+    assert budget.kernels.fused_norm is (norms > 0) and not budget.kernels.fused_mlp
     assert budget.shape(TOKENS, offload=False).fused_norm is (norms > 0)
 
 
