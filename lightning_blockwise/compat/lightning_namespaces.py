@@ -90,6 +90,7 @@ TWINNED = frozenset(
         "strategy.checkpoint_files",
         "strategy.checkpoint_hooks",
         "strategy.data_parallel",
+        "strategy.fit_loop",
         "strategy.namespace_check",
         "strategy.options",
         "strategy.queries",

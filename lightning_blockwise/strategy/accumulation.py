@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -22,6 +20,14 @@ from lightning_blockwise.replay.window_forward import unwrap, wrap
 from lightning_blockwise.replay.window_refusals import WindowError
 from lightning_blockwise.replay.window_workers import Workers
 from lightning_blockwise.strategy.batch_comparison import batches_differ, clone_batch
+from lightning_blockwise.strategy.fit_loop import (
+    Lookahead,
+    before_transfer,
+    data_fetcher,
+    held_batches,
+    lookahead,
+    takes_dataloader_iter,
+)
 
 # NOTE [ A window's batches ]
 # A window's micro-batches must all be at hand when its first one is due (NOTE [ Block-major
@@ -41,41 +47,6 @@ from lightning_blockwise.strategy.batch_comparison import batches_differ, clone_
 # ones read ahead, so a resume from it skips nothing (it runs the rest of that window the usual
 # way). A window ends where Lightning's accumulation ends it: after `accumulate_grad_batches`
 # batches or at the epoch's last batch.
-
-
-class _Lookahead(Iterator):
-    """An iterator whose next items can be read ahead without being taken.
-
-    Args:
-        iterator: The iterator read from.
-        loader_state: The loaders' states now (Lightning's checkpoint entry), taken after each item read ahead.
-    """
-
-    def __init__(self, iterator: Iterator, loader_state: Callable[[], Any]) -> None:
-        self.iterator = iterator
-        self.loader_state = loader_state
-        self.ahead: deque[Any] = deque()
-        self._states: deque[Any] = deque()
-        #: The loaders' state after the items taken so far: what a checkpoint records without the read-ahead.
-        self.state_taken: Any = None
-
-    def __next__(self) -> Any:
-        if not self.ahead:
-            return next(self.iterator)
-        self.state_taken = self._states.popleft()
-        return self.ahead.popleft()
-
-    def peek(self, count: int) -> list[Any]:
-        """Up to ``count`` next items (fewer where the iterator ends), still to be taken."""
-        if not self.ahead:
-            self.state_taken = self.loader_state()
-        while len(self.ahead) < count:
-            try:
-                self.ahead.append(next(self.iterator))
-            except StopIteration:
-                break
-            self._states.append(self.loader_state())
-        return list(self.ahead)[:count]
 
 
 def refuse_unsupported(module: LightningModule, stack: DecoderStack) -> None:
@@ -108,7 +79,7 @@ def _read_like_the_loop(strategy: Strategy, batch: Any) -> Any:
     """What Lightning's training loop makes of a batch before ``training_step`` (NOTE [ A window's batches ])."""
     module = strategy.lightning_module
     batch = module.trainer.precision_plugin.convert_input(batch)
-    batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+    batch = before_transfer(module, batch)
     return strategy.batch_to_device(batch, dataloader_idx=0)
 
 
@@ -142,7 +113,7 @@ class BlockMajorSteps:
         self.device = device
         self._current: Window | None = None
         self._workers: Workers | None = None
-        self._lookahead: _Lookahead | None = None
+        self._lookahead: Lookahead | None = None
         #: Device-side comparisons of the loop's batches with those read ahead, not read yet: (batch index, flag).
         self._unchecked: list[tuple[int, Tensor]] = []
         self._batches: list[Any] = []
@@ -263,10 +234,10 @@ class BlockMajorSteps:
         A checkpoint written inside a window (after a validation, a timed one, a resumed run's first batch)
         would otherwise record the loaders past the batches read ahead, and a resume from it would skip them.
         """
-        lookahead = self._lookahead
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-        if lookahead is not None and lookahead.ahead and "combined_loader" in fit_loop:
-            fit_loop["combined_loader"] = lookahead.state_taken
+        ahead = self._lookahead
+        loop_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if ahead is not None and ahead.ahead and "combined_loader" in loop_state:
+            loop_state["combined_loader"] = ahead.state_taken
 
     def _open(
         self, batches: list[Any], args: tuple[Any, ...], run: Callable[..., Any], drew_ahead: bool, reduced: bool
@@ -294,23 +265,18 @@ class BlockMajorSteps:
 
     def _peek(self, trainer: Trainer, count: int) -> list[Any]:
         """The next ``count`` items of the loop's data fetcher (fewer at the end), not taken from it."""
-        fetcher = trainer.fit_loop._data_fetcher
-        if isinstance(fetcher, _DataLoaderIterDataFetcher):
+        # NOTE [ The fit loop's private state ] in fit_loop.py.
+        fetcher = data_fetcher(trainer)
+        if takes_dataloader_iter(fetcher):
             raise MisconfigurationException(
                 "`BlockwiseStrategy(block_major_accumulation=True)` reads a window's batches ahead of the loop; a"
                 " `training_step` that takes the `dataloader_iter` fetches its own. Take `batch` instead, or set"
                 " `block_major_accumulation=False`."
             )
         assert fetcher is not None and fetcher.iterator is not None
-        if not isinstance(fetcher.iterator, _Lookahead):
-            loaders = trainer.fit_loop._combined_loader
-            # What Lightning's fit loop writes into a checkpoint for its loaders (`FitLoop.on_save_checkpoint`).
-            state = (lambda: loaders._state_dicts()) if loaders is not None else list
-            fetcher.iterator = _Lookahead(fetcher.iterator, state)
-        self._lookahead = fetcher.iterator
-        # A prefetching fetcher (a loader without a length) holds the next items already, in order.
-        held = list(getattr(fetcher, "batches", []))[:count]
-        return held + fetcher.iterator.peek(count - len(held))
+        self._lookahead = ahead = lookahead(trainer, fetcher)
+        held = held_batches(fetcher)[:count]
+        return held + ahead.peek(count - len(held))
 
 
 def _differs_message(index: int) -> str:

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.distributed
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -16,6 +15,7 @@ from torch import nn
 from lightning_blockwise.replay.rng import GlobalRngState
 from lightning_blockwise.residency.placement import HostCopy
 from lightning_blockwise.strategy.checkpointing import CHECKPOINT_KEY, FrozenBase
+from lightning_blockwise.strategy.fit_loop import restart_iterator, restore_loader_states
 from lightning_blockwise.strategy.streamed_stack import StreamedStack
 
 # NOTE [ Loader state restored late ]
@@ -27,8 +27,8 @@ from lightning_blockwise.strategy.streamed_stack import StreamedStack
 # resumes from the start of its epoch (the demo CLI, resumed at step 28 with `max_epochs: 3`, trained
 # other batches from step 29 on). So at train start, after the loops are restored and before the
 # first batch, the strategy hands the waiting state to the loader and has the loop make its iterator
-# again, as `setup_data` would have. It reads the fit loop's private attributes (Lightning 2.6);
-# `tests/cli/test_resume.py` fails if they change.
+# again, as `setup_data` would have. It reads the fit loop's private attributes (NOTE [ The fit loop's
+# private state ] in fit_loop.py); `tests/cli/test_resume.py` fails if they change.
 #
 # A checkpoint written at the end of an epoch has a second trap: the uninterrupted run makes the
 # next epoch's loader iterator after it (the iterator draws its base seed from the global RNG),
@@ -142,13 +142,7 @@ class CheckpointHooks:
     @staticmethod
     def resume_loader(fit_loop: Any) -> None:
         """Give a resumed run's loader the state read after it was built (NOTE [ Loader state restored late ])."""
-        if not fit_loop._combined_loader_states_to_load or fit_loop._combined_loader is None:
-            return
-        fit_loop._load_combined_loader_states()
-        if fit_loop._data_fetcher is not None:
-            # A stateful loader applies a loaded state when it is iterated next.
-            fit_loop._data_fetcher.setup(fit_loop._combined_loader)
-            iter(fit_loop._data_fetcher)
+        restore_loader_states(fit_loop)
 
     @staticmethod
     def restart_epoch(fit_loop: Any) -> None:
@@ -156,11 +150,8 @@ class CheckpointHooks:
 
         NOTE [ Loader state restored late ]; a no-op for a fresh run or one resumed mid-epoch.
         """
-        if not _resumed_after_an_epoch(fit_loop) or fit_loop._data_fetcher is None:
-            return
-        for loader in fit_loop._combined_loader.flattened:
-            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
-        iter(fit_loop._data_fetcher)
+        if _resumed_after_an_epoch(fit_loop):
+            restart_iterator(fit_loop)
 
     def resume_rng(self, checkpoint: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         """Have :meth:`restore_rng` put back the RNG states ``checkpoint`` recorded (one resumed by ``fit``).

@@ -26,6 +26,7 @@ from lightning_blockwise.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_blockwise.strategy.checkpointing import FrozenBase
 from lightning_blockwise.strategy.data_parallel import DataParallelStrategy
 from lightning_blockwise.strategy.device_memory import CardBudget, card_budget
+from lightning_blockwise.strategy.fit_loop import check_fit_loop
 from lightning_blockwise.strategy.module_budget import module_budget
 from lightning_blockwise.strategy.module_placement import ModulePlacement, shared_copy_key
 from lightning_blockwise.strategy.options import (
@@ -81,6 +82,7 @@ def check_module(module: nn.Module, trainer: object, options: BlockwiseOptions, 
         raise MisconfigurationException(f"`BlockwiseStrategy(block_size={options.block_size})`: {error}") from None
     window = 1
     if trainer.state.fn == TrainerFn.FITTING:  # type: ignore[attr-defined]
+        check_fit_loop(trainer.fit_loop)  # type: ignore[attr-defined]
         check_trainable(stack)
         if device.type == "cpu":
             # At setup, before the sanity validation and the callbacks' fit-start work (a `ParityCheck` would

@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
         "loading",
         "strategy.checkpointing",
         "strategy.checkpoint_files",
+        "strategy.fit_loop",
         "strategy.batch_comparison",
         "strategy.device_memory",
         "strategy.rank_watchdog",
