@@ -117,6 +117,7 @@ class BlockwiseRun:
     5. The base's **fingerprint** for checkpoints: it reads the host copy, so before any block is bound to
        the device.
     6. The **streamed stack** of layers on that plan, which the planner then keeps in step.
+    7. The **block-major steps**, where a window is planned for (they wrap the stack's layers per window).
 
     Args:
         strategy: The strategy: its module, device and ranks.
@@ -141,8 +142,8 @@ class BlockwiseRun:
     ) -> None:
         module, stack, blocks = strategy.lightning_module, checked.stack, checked.blocks
         device = strategy.root_device
-        self.stack = stack
-        self.blocks = blocks
+        #: The module's decoder stack, and its layers' blocks.
+        self.stack, self.blocks = stack, blocks
         share_key = shared_copy_key(stack.model.config, options.share_host_copy, strategy.is_distributed)
         pack = lambda: host_copy(stack, blocks, device.type == "cuda", share_key)  # noqa: E731
         #: The host arena and block layouts (1).
