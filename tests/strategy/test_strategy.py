@@ -345,7 +345,7 @@ def test_error_bool_options_refuse_anything_else(name: str, value: Any) -> None:
     with pytest.raises(MisconfigurationException, match=match):
         BlockwiseStrategy(**{name: value})
     for ok in (True, False):
-        assert getattr(BlockwiseStrategy(**{name: ok}), name) is ok
+        assert getattr(BlockwiseStrategy(**{name: ok}).options, name) is ok
 
 
 def test_vram_budget_on_the_cpu_warns_it_has_no_effect() -> None:
