@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
+import torchmetrics
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from lightning_blockwise import BlockwiseStrategy
 from lightning_blockwise.recipes.encoding import byte_tokenizer
@@ -20,7 +25,7 @@ from lightning_blockwise.recipes.generation import ChatSession, GeneratingFineTu
 from lightning_blockwise.recipes.generation_options import Sampling
 from lightning_blockwise.recipes.prompt_tokens import PromptFormat
 from lightning_blockwise.residency import embedding
-from tests.helpers.models import GPU_SHAPES
+from tests.helpers.models import GPU_SHAPES, nf4_lora_builder
 
 pytestmark = pytest.mark.gpu
 
@@ -51,3 +56,56 @@ def test_streamed_generation_with_a_host_embedding_equals_resident(
     monkeypatch.setattr(embedding, "inputs_to", lambda device: lambda module, args, kwargs: (args, kwargs))
     with pytest.raises(RuntimeError, match="same device"):
         _replies(tmp_path / "ckpt", BlockwiseStrategy(vram_budget=None))
+
+
+class _StrangersGenerator(pl.LightningModule):
+    """Generation as a stranger's script writes it: ``import pytorch_lightning as pl``, a torchmetrics metric on the
+    module, Hugging Face's ``generate`` on a PEFT model in ``predict_step``."""
+
+    def __init__(self, build: Any) -> None:
+        super().__init__()
+        self.model: nn.Module = build()
+        self.generated = torchmetrics.SumMetric()
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        tokens = self.model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        self.generated.update(tokens.shape[-1] - batch["input_ids"].shape[-1])
+        return tokens.cpu()
+
+
+def _strangers_replies(checkpoint: Path, strategy: Any) -> tuple[list[list[int]], float]:
+    module = _StrangersGenerator(nf4_lora_builder(checkpoint, ["q_proj", "v_proj"], r=8, lora_dropout=0.0))
+    ids = torch.randint(1, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": row, "attention_mask": torch.ones_like(row)} for row in ids]
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="gpu", devices=1, precision="bf16-mixed", profiler="simple", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    replies = trainer.predict(module, DataLoader(rows, batch_size=2))
+    assert replies is not None
+    return torch.cat(replies).tolist(), float(module.generated.compute())
+
+
+def test_a_strangers_pytorch_lightning_generation_streamed_equals_resident(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host embedding's inputs hook under ``pytorch_lightning.Trainer.predict``, a metric and a profiler."""
+    torch.use_deterministic_algorithms(True)
+    config = GPU_SHAPES["qwen2"]()
+    config.num_hidden_layers, config.tie_word_embeddings = 4, False
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:4]  # Qwen2's, one per layer
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    torch.cuda.empty_cache()
+
+    streamed = _strangers_replies(tmp_path / "ckpt", BlockwiseStrategy(vram_budget=None))
+    resident = _strangers_replies(tmp_path / "ckpt", "auto")
+    print(f"[gpu generate, pytorch_lightning] streamed {streamed} resident {resident}")
+    assert streamed == resident and streamed[1] > 0
+
+    # Control: without the inputs hook the stranger's generate fails as before the fix.
+    monkeypatch.setattr(embedding, "inputs_to", lambda device: lambda module, args, kwargs: (args, kwargs))
+    with pytest.raises(RuntimeError, match="same device"):
+        _strangers_replies(tmp_path / "ckpt", BlockwiseStrategy(vram_budget=None))
