@@ -54,13 +54,10 @@ class StepShape:
         offload_inputs: Layer inputs wait for the backward in host memory (not on the device).
         offloaded_layers: With ``offload_inputs``, how many layers' inputs (the first ones) go to host memory, the
             rest staying on the device (NOTE [ Split layer inputs ] in residency/activations.py); ``None``: all.
-        loss_chunk_tokens: Rows of logits the module's loss builds at a time
-            (:func:`~lightning_blockwise.longcontext.loss.chunked_causal_lm_loss`); ``None``: all of them at once,
-            as Hugging Face's loss does.
-        mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs
-            (:func:`~lightning_blockwise.longcontext.tiling.tile_mlps`); ``None``: untiled.
-        attention_tile_tokens: Queries per tile of the decoder layers' attention
-            (:func:`~lightning_blockwise.longcontext.attention.tile_attention`); ``None``: untiled.
+        loss_chunk_tokens: Rows of logits the loss builds at a time (``None``: all); it and the two tile sizes come
+            from :class:`~lightning_blockwise.planning.step_kernels.StepKernels`, where each is documented.
+        mlp_tile_tokens: Tokens per tile of the decoder layers' MLPs (``None``: untiled).
+        attention_tile_tokens: Queries per tile of the decoder layers' attention (``None``: untiled).
         adapter_dropout: The adapters apply dropout to their inputs (what a kept layer's graph also
             holds); assumed when unknown.
         window: Micro-batches whose layer inputs are saved at once: ``accumulate_grad_batches`` with
